@@ -1,0 +1,199 @@
+// pybind11 module fa2._C: validates sizes (a bad call from C++ must never write out of bounds), picks
+// the compiled instantiation for the head dim and dtype, and launches on the caller's stream.
+// Pointers arrive as integers from torch's data_ptr(); there is no libtorch dependency.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "fa2/launch.h"
+#include "fa2_build_config.h"
+
+namespace py = pybind11;
+using fa2::DType;
+
+namespace {
+
+using StrideTuple = std::tuple<int64_t, int64_t, int64_t>;
+
+fa2::Strides to_strides(const StrideTuple& s) { return {std::get<0>(s), std::get<1>(s), std::get<2>(s)}; }
+
+template <typename T> T* as_ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+DType parse_dtype(const std::string& s) {
+  if (s == "fp16") return DType::fp16;
+  if (s == "bf16") return DType::bf16;
+  throw std::invalid_argument("fa2: dtype must be 'fp16' or 'bf16', got '" + s + "'");
+}
+
+void require(bool ok, const std::string& msg) {
+  if (!ok) throw std::invalid_argument("fa2: " + msg);
+}
+
+// The launch runs on the current device; refuse anything that could not execute there.
+void check_device(int device) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    throw std::runtime_error("fa2: no usable CUDA device (driver missing or no GPU visible)");
+  }
+  int current = -1;
+  fa2::check_cuda(cudaGetDevice(&current), "cudaGetDevice");
+  if (current != device) {
+    throw std::runtime_error("fa2: tensors are on cuda:" + std::to_string(device) + " but the current device is cuda:" +
+                             std::to_string(current));
+  }
+  int major = 0;
+  fa2::check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
+  if (major < 8) throw std::runtime_error("fa2: needs an sm80+ GPU (Ampere or newer)");
+}
+
+void check_sizes(const fa2::FwdParams& p) {
+  require(p.batch >= 1 && p.seqlen_q >= 1 && p.seqlen_k >= 1, "batch, seqlen_q and seqlen_k must be >= 1");
+  require(p.batch <= 65535, "batch must be <= 65535");
+  require(p.nheads >= 1 && p.nheads_k >= 1 && p.nheads % p.nheads_k == 0 && p.nheads <= 65535,
+          "nheads must be a positive multiple of nheads_k (and <= 65535)");
+  require(p.head_dim >= 8 && p.head_dim % 8 == 0 && p.head_dim <= 256, "head_dim must be a multiple of 8 in [8, 256]");
+  require(std::isfinite(p.softmax_scale), "softmax_scale must be finite");
+}
+
+// Instantiations compiled into this build, as (head dim, dtype) lists.
+struct Instance { int head_dim; DType dtype; };
+#define FA2_INSTANCE(D, T) Instance{D, DType::T},
+const std::vector<Instance> kFwdInstances = {FA2_FOR_EACH_FWD(FA2_INSTANCE)};
+const std::vector<Instance> kBwdInstances = {FA2_FOR_EACH_BWD(FA2_INSTANCE)};
+#undef FA2_INSTANCE
+
+// The smallest compiled head dim >= head_dim for this dtype; the kernel masks the padding columns.
+int pick_head_dim(const std::vector<Instance>& instances, int head_dim, DType dtype, const char* kind) {
+  int best = 0;
+  for (const auto& inst : instances) {
+    if (inst.dtype == dtype && inst.head_dim >= head_dim && (best == 0 || inst.head_dim < best)) best = inst.head_dim;
+  }
+  if (best == 0) {
+    throw std::invalid_argument(std::string("fa2: this build has no ") + kind + " kernel for head_dim " +
+                                std::to_string(head_dim) + " and this dtype (see fa2.build_info())");
+  }
+  return best;
+}
+
+void fwd(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, StrideTuple q_stride,
+         StrideTuple k_stride, StrideTuple v_stride, StrideTuple out_stride, int batch, int seqlen_q, int seqlen_k,
+         int nheads, int nheads_k, int head_dim, double softmax_scale, bool causal, const std::string& dtype,
+         int device, uintptr_t stream) {
+  fa2::FwdParams p;
+  p.q = as_ptr<const void>(q), p.k = as_ptr<const void>(k), p.v = as_ptr<const void>(v);
+  p.o = as_ptr<void>(out), p.lse = as_ptr<float>(lse);
+  p.q_stride = to_strides(q_stride), p.k_stride = to_strides(k_stride);
+  p.v_stride = to_strides(v_stride), p.o_stride = to_strides(out_stride);
+  p.batch = batch, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
+  p.nheads = nheads, p.nheads_k = nheads_k, p.head_dim = head_dim;
+  p.softmax_scale = float(softmax_scale);
+  p.scale_log2 = float(softmax_scale * M_LOG2E);
+  p.causal = causal;
+  check_sizes(p);
+  const DType dt = parse_dtype(dtype);
+  const int kernel_dim = pick_head_dim(kFwdInstances, head_dim, dt, "forward");
+  check_device(device);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+#define FA2_DISPATCH(D, T) \
+  if (kernel_dim == D && dt == DType::T) return fa2::run_fwd<D, DType::T>(p, s);
+  FA2_FOR_EACH_FWD(FA2_DISPATCH)
+#undef FA2_DISPATCH
+  throw std::logic_error("fa2: forward dispatch fell through");
+}
+
+void bwd(uintptr_t dout, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, uintptr_t dq,
+         uintptr_t dk, uintptr_t dv, uintptr_t dq_accum, uintptr_t d_sum, StrideTuple dout_stride,
+         StrideTuple q_stride, StrideTuple k_stride, StrideTuple v_stride, StrideTuple out_stride,
+         StrideTuple dq_stride, StrideTuple dk_stride, StrideTuple dv_stride, int batch, int seqlen_q,
+         int seqlen_k, int nheads, int nheads_k, int head_dim, double softmax_scale, bool causal,
+         bool deterministic, const std::string& dtype, int device, uintptr_t stream) {
+  fa2::BwdParams p;
+  p.q = as_ptr<const void>(q), p.k = as_ptr<const void>(k), p.v = as_ptr<const void>(v);
+  p.o = as_ptr<void>(out), p.lse = as_ptr<float>(lse), p.dout = as_ptr<const void>(dout);
+  p.dq = as_ptr<void>(dq), p.dk = as_ptr<void>(dk), p.dv = as_ptr<void>(dv);
+  p.dq_accum = as_ptr<float>(dq_accum), p.d_sum = as_ptr<float>(d_sum);
+  p.q_stride = to_strides(q_stride), p.k_stride = to_strides(k_stride);
+  p.v_stride = to_strides(v_stride), p.o_stride = to_strides(out_stride);
+  p.dout_stride = to_strides(dout_stride), p.dq_stride = to_strides(dq_stride);
+  p.dk_stride = to_strides(dk_stride), p.dv_stride = to_strides(dv_stride);
+  p.batch = batch, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
+  p.nheads = nheads, p.nheads_k = nheads_k, p.head_dim = head_dim;
+  p.softmax_scale = float(softmax_scale);
+  p.scale_log2 = float(softmax_scale * M_LOG2E);
+  p.causal = causal;
+  p.deterministic = deterministic;
+  check_sizes(p);
+  const DType dt = parse_dtype(dtype);
+  const int kernel_dim = pick_head_dim(kBwdInstances, head_dim, dt, "backward");
+  check_device(device);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+#define FA2_DISPATCH(D, T) \
+  if (kernel_dim == D && dt == DType::T) return fa2::run_bwd<D, DType::T>(p, s);
+  FA2_FOR_EACH_BWD(FA2_DISPATCH)
+#undef FA2_DISPATCH
+  (void)s;
+  throw std::logic_error("fa2: backward dispatch fell through");
+}
+
+py::dict build_info() {
+  py::dict info;
+  info["version"] = FA2_VERSION;
+  info["cuda_version"] = FA2_CUDA_VERSION;
+  std::vector<int> archs;
+  std::string a = FA2_CUDA_ARCHS;
+  for (size_t pos = 0; pos < a.size();) {
+    size_t end = a.find(';', pos);
+    if (end == std::string::npos) end = a.size();
+    std::string tok = a.substr(pos, end - pos);
+    if (!tok.empty()) archs.push_back(std::stoi(tok));  // "90a" / "90-real" parse as 90
+    pos = end + 1;
+  }
+  info["archs"] = archs;
+  auto dims = [](const std::vector<Instance>& v) {
+    std::vector<int> d;
+    for (const auto& i : v) {
+      bool seen = false;
+      for (int x : d) seen |= x == i.head_dim;
+      if (!seen) d.push_back(i.head_dim);
+    }
+    std::sort(d.begin(), d.end());
+    return d;
+  };
+  info["fwd_head_dims"] = dims(kFwdInstances);
+  info["bwd_head_dims"] = dims(kBwdInstances);
+  std::vector<std::string> dtypes;
+  for (const char* name : {"fp16", "bf16"}) {
+    for (const auto& i : kFwdInstances) {
+      if ((i.dtype == DType::fp16) == (std::string(name) == "fp16")) { dtypes.push_back(name); break; }
+    }
+  }
+  info["dtypes"] = dtypes;
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fa2 CUDA kernels (FlashAttention-2 on CuTe). Use the fa2 Python package, not this module.";
+  m.def("build_info", &build_info, "What this build compiled: CUDA version, archs, head dims, dtypes.");
+  m.def("fwd", &fwd, "Attention forward on raw device pointers (see csrc/CONTRACT.md).", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"),
+        py::arg("out_stride"), py::arg("batch"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("nheads"),
+        py::arg("nheads_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"), py::arg("dtype"),
+        py::arg("device"), py::arg("stream"));
+  m.def("bwd", &bwd, "Attention backward on raw device pointers (see csrc/CONTRACT.md).", py::arg("dout"),
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"),
+        py::arg("dv"), py::arg("dq_accum"), py::arg("d_sum"), py::arg("dout_stride"), py::arg("q_stride"),
+        py::arg("k_stride"), py::arg("v_stride"), py::arg("out_stride"), py::arg("dq_stride"), py::arg("dk_stride"),
+        py::arg("dv_stride"), py::arg("batch"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("nheads"),
+        py::arg("nheads_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
+        py::arg("deterministic"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+}

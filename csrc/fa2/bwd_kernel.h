@@ -1,0 +1,406 @@
+// FlashAttention-2 backward (reference.py: flash_bwd_tiled) in three kernels:
+//   bwd_preprocess_kernel: D = rowsum(dO * O), and zero the fp32 dQ accumulator
+//   bwd_kernel:            per K/V block, walk the query blocks: recompute P from lse,
+//                          dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dK += dS^T Q, dQ += dS K (atomics)
+//   bwd_convert_dq_kernel: dQ = softmax_scale * dQ_accum, in the input dtype
+// With deterministic=true, bwd_kernel skips dQ and bwd_dq_kernel computes it instead: one CTA per query
+// block walks the key blocks in order, recomputing P and dS, so no two CTAs add into the same dQ row.
+// Names follow CuTe: g* global, s* shared, r* registers; tXsY is tensor Y partitioned for operation X
+// (tS: S and dP, tdV / tdK: the dV and dK GEMMs, tdQ: the dQ GEMM).
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "fa2/mask.h"
+#include "fa2/params.h"
+#include "fa2/utils.h"
+
+namespace fa2 {
+using namespace cute;
+
+// One warp per (batch, head, row): 16-byte loads of dO and O, fp32 dot product.
+template <typename Element>
+__global__ void bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = blockIdx.x * (blockDim.x / 32) + warp;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  if (row >= p.seqlen_q) return;
+  const Element* dout = static_cast<const Element*>(p.dout) + batch * p.dout_stride.batch +
+                        head * p.dout_stride.head + row * p.dout_stride.row;
+  const Element* out = static_cast<const Element*>(p.o) + batch * p.o_stride.batch + head * p.o_stride.head +
+                       row * p.o_stride.row;
+  float dot = 0.f;
+  for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
+    const uint4 a = *reinterpret_cast<const uint4*>(dout + c);
+    const uint4 b = *reinterpret_cast<const uint4*>(out + c);
+    const Element* ea = reinterpret_cast<const Element*>(&a);
+    const Element* eb = reinterpret_cast<const Element*>(&b);
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) dot += float(ea[i]) * float(eb[i]);
+  }
+  CUTE_UNROLL
+  for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffff, dot, offset);
+  const int64_t bh_row = (int64_t(batch) * p.nheads + head) * p.seqlen_q + row;
+  if (lane == 0) p.d_sum[bh_row] = dot;
+  if (p.deterministic) return;  // dQ comes from bwd_dq_kernel; the accumulator is unused
+  float* dq_accum = p.dq_accum + bh_row * p.head_dim;
+  for (int c = lane * 4; c < p.head_dim; c += 32 * 4) *reinterpret_cast<float4*>(dq_accum + c) = float4{0, 0, 0, 0};
+}
+
+template <typename Element>
+__global__ void bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = blockIdx.x * (blockDim.x / 32) + warp;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  if (row >= p.seqlen_q) return;
+  const float* acc = p.dq_accum + ((int64_t(batch) * p.nheads + head) * p.seqlen_q + row) * p.head_dim;
+  Element* dq = static_cast<Element*>(p.dq) + batch * p.dq_stride.batch + head * p.dq_stride.head +
+                row * p.dq_stride.row;
+  for (int c = lane * 4; c < p.head_dim; c += 32 * 4) {
+    const float4 a = *reinterpret_cast<const float4*>(acc + c);
+    dq[c + 0] = Element(a.x * p.softmax_scale);
+    dq[c + 1] = Element(a.y * p.softmax_scale);
+    dq[c + 2] = Element(a.z * p.softmax_scale);
+    dq[c + 3] = Element(a.w * p.softmax_scale);
+  }
+}
+
+// Where each operand lives in the dynamic shared memory of both backward kernels.
+template <typename Traits>
+struct BwdSmem {
+  using Element = typename Traits::Element;
+  Element* base;
+  __device__ explicit BwdSmem(char* smem) : base(reinterpret_cast<Element*>(smem)) {}
+  __device__ Element* q(int stage) const { return base + stage * Traits::kQdOElems; }
+  __device__ Element* dout(int stage) const { return base + (Traits::kStages + stage) * Traits::kQdOElems; }
+  __device__ Element* k() const { return base + 2 * Traits::kStages * Traits::kQdOElems; }
+  __device__ Element* v() const { return k() + Traits::kKVElems; }
+  __device__ Element* p() const { return v() + Traits::kKVElems; }
+  __device__ Element* ds() const { return p() + Traits::kPdSElems; }
+  template <typename Layout>
+  __device__ static auto tensor(Element* ptr, Layout layout) { return make_tensor(make_smem_ptr(ptr), layout); }
+};
+
+// Register fragments are shaped by a plain row-major (rows, cols) layout; no memory behind it.
+template <typename Element, int kRows, int kCols>
+__device__ __forceinline__ auto fragment_shape() {
+  return make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                     make_layout(Shape<Int<kRows>, Int<kCols>>{}, GenRowMajor{}));
+}
+
+// One (query block, key block) tile, shared by both kernels: S = Q K^T, P = exp2(S*scale_log2 - lse*log2e)
+// (the forward's probabilities, recomputed), dP = dO V^T, dS = P * (dP - D); P and dS are written to
+// shared memory. The caller synchronises before reading sP / sdS.
+template <typename Traits, typename SmemQ, typename SmemKV, typename SmemPdS>
+__device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, SmemQ const& sdO, SmemKV const& sK,
+                                         SmemKV const& sV, SmemPdS& sP, SmemPdS& sdS, const float* lse,
+                                         const float* d_sum, int row_offset, int col_offset) {
+  using Element = typename Traits::Element;
+  using BlockS = Shape<Int<Traits::kBlockM>, Int<Traits::kBlockN>>;
+  const int tid = threadIdx.x;
+  typename Traits::TiledMmaSdP mma;
+  auto thr_mma = mma.get_thread_slice(tid);
+  auto copy_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma);
+  auto copy_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma);
+  auto thr_a = copy_a.get_thread_slice(tid);
+  auto thr_b = copy_b.get_thread_slice(tid);
+  Tensor tSrQ = thr_mma.partition_fragment_A(fragment_shape<Element, Traits::kBlockM, Traits::kHeadDim>());
+  Tensor tSrK = thr_mma.partition_fragment_B(fragment_shape<Element, Traits::kBlockN, Traits::kHeadDim>());
+  Tensor tScS = thr_mma.partition_C(make_identity_tensor(BlockS{}));
+
+  // lse and D of the rows this thread owns. Rows past seqlen_q, and rows that saw no key in the forward
+  // (lse = -inf), get lse = +inf so that P = 0 there.
+  Tensor c = make_tensor(tScS.data(), rowcol_layout(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(c))::value;
+  float lse_log2[kRows], d_row[kRows];
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    const int row = row_offset + get<0>(c(mi, 0));
+    const float l = row < p.seqlen_q ? lse[row] : INFINITY;
+    lse_log2[mi] = l == -INFINITY ? INFINITY : l * float(M_LOG2E);
+    d_row[mi] = row < p.seqlen_q ? d_sum[row] : 0.f;
+  }
+
+  Tensor acc_s = partition_fragment_C(mma, BlockS{});
+  clear(acc_s);
+  gemm_ss(mma, acc_s, tSrQ, tSrK, thr_a.partition_S(sQ), thr_b.partition_S(sK), copy_a, copy_b, thr_a, thr_b);
+  const int diagonal = p.seqlen_k - p.seqlen_q;
+  if (col_offset + Traits::kBlockN > p.seqlen_k || (p.causal && col_offset + Traits::kBlockN - 1 > row_offset + diagonal)) {
+    apply_mask(acc_s, tScS, row_offset, col_offset, p.seqlen_q, p.seqlen_k, p.causal);
+  }
+  Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = exp2f(s(mi, ni) * p.scale_log2 - lse_log2[mi]);
+  }
+
+  Tensor acc_dp = partition_fragment_C(mma, BlockS{});
+  clear(acc_dp);
+  gemm_ss(mma, acc_dp, tSrQ, tSrK, thr_a.partition_S(sdO), thr_b.partition_S(sV), copy_a, copy_b, thr_a, thr_b);
+  Tensor dp = make_tensor(acc_dp.data(), rowcol_layout(acc_dp.layout()));
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(dp); ++ni) dp(mi, ni) = s(mi, ni) * (dp(mi, ni) - d_row[mi]);
+  }
+
+  auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomOut{}, mma);
+  auto thr_pds = copy_pds.get_thread_slice(tid);
+  copy(copy_pds, thr_pds.retile_S(convert_type<Element>(acc_s)), thr_pds.partition_D(sP));
+  copy(copy_pds, thr_pds.retile_S(convert_type<Element>(acc_dp)), thr_pds.partition_D(sdS));
+}
+
+// acc_dq += dS K for one tile (dS and K both from shared memory; K read transposed).
+template <typename Traits, typename Acc, typename SmemPdS, typename SmemKt>
+__device__ __forceinline__ void bwd_dq_tile(Acc& acc_dq, SmemPdS const& sdS, SmemKt const& sKt) {
+  using Element = typename Traits::Element;
+  const int tid = threadIdx.x;
+  typename Traits::TiledMmadQ mma;
+  auto thr_mma = mma.get_thread_slice(tid);
+  auto copy_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma);
+  auto copy_b = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma);
+  auto thr_a = copy_a.get_thread_slice(tid);
+  auto thr_b = copy_b.get_thread_slice(tid);
+  Tensor tdQrdS = thr_mma.partition_fragment_A(fragment_shape<Element, Traits::kBlockM, Traits::kBlockN>());
+  Tensor tdQrKt = thr_mma.partition_fragment_B(fragment_shape<Element, Traits::kHeadDim, Traits::kBlockN>());
+  gemm_ss(mma, acc_dq, tdQrdS, tdQrKt, thr_a.partition_S(sdS), thr_b.partition_S(sKt), copy_a, copy_b, thr_a, thr_b);
+}
+
+// Stage a (rows, kHeadDim) accumulator tile through shared memory `sOut` and store it to `gOut`,
+// scaled and converted to Element, writing only rows < max_row and columns < head_dim.
+template <typename Traits, typename TiledMma, typename Acc, typename SmemOut, typename GmemOut>
+__device__ __forceinline__ void store_acc_tile(TiledMma const& mma, Acc& acc, float scale, SmemOut& sOut,
+                                               GmemOut& gOut, int max_row, int head_dim) {
+  using Element = typename Traits::Element;
+  const int tid = threadIdx.x;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) acc(i) *= scale;
+  Tensor r = convert_type<Element>(acc);
+  auto copy_smem = make_tiled_copy_C(typename Traits::SmemCopyAtomOut{}, mma);
+  auto thr_smem = copy_smem.get_thread_slice(tid);
+  copy(copy_smem, thr_smem.retile_S(r), thr_smem.partition_D(sOut));
+  __syncthreads();
+  typename Traits::GmemTiledCopyOut copy_gmem;
+  auto thr_gmem = copy_gmem.get_thread_slice(tid);
+  Tensor tOgO = thr_gmem.partition_D(gOut);
+  Tensor tOrO = make_tensor<Element>(shape(tOgO));
+  copy(copy_gmem, thr_gmem.partition_S(sOut), tOrO);
+  Tensor tOcO = thr_gmem.partition_D(make_identity_tensor(shape(gOut)));
+  store_tile(copy_gmem, tOrO, tOgO, tOcO, max_row, head_dim);
+}
+
+// dK, dV (and, unless deterministic, dQ through atomics) for one key block.
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_constant__ BwdParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  using BlockQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using BlockKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+
+  const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int head_kv = head / (p.nheads / p.nheads_k);
+  const int tid = threadIdx.x;
+  const int col_offset = n_block * kBlockN;
+  // Query blocks that see at least one key of this block (causal: rows i >= col_offset - diagonal).
+  const int m_block_begin = p.causal ? max(0, col_offset - (p.seqlen_k - p.seqlen_q)) / kBlockM : 0;
+  const int m_block_end = ceil_div(p.seqlen_q, kBlockM);
+
+  Tensor gQ = local_tile(head_tensor<kHeadDim, const Element>(p.q, p.q_stride, batch, head, p.seqlen_q), BlockQ{},
+                         make_coord(_, 0));  // (kBlockM, kHeadDim, m_blocks)
+  Tensor gdO = local_tile(head_tensor<kHeadDim, const Element>(p.dout, p.dout_stride, batch, head, p.seqlen_q),
+                          BlockQ{}, make_coord(_, 0));
+  Tensor gK = local_tile(head_tensor<kHeadDim, const Element>(p.k, p.k_stride, batch, head_kv, p.seqlen_k),
+                         BlockKV{}, make_coord(n_block, 0));
+  Tensor gV = local_tile(head_tensor<kHeadDim, const Element>(p.v, p.v_stride, batch, head_kv, p.seqlen_k),
+                         BlockKV{}, make_coord(n_block, 0));
+  const int64_t bh = int64_t(batch) * p.nheads + head;
+  const float* lse = p.lse + bh * p.seqlen_q;
+  const float* d_sum = p.d_sum + bh * p.seqlen_q;
+  float* dq_accum = p.dq_accum + bh * p.seqlen_q * p.head_dim;
+
+  extern __shared__ char smem_raw[];
+  BwdSmem<Traits> smem(smem_raw);
+  Tensor sK = smem.tensor(smem.k(), typename Traits::SmemLayoutKV{});
+  Tensor sV = smem.tensor(smem.v(), typename Traits::SmemLayoutKV{});
+  Tensor sKt = smem.tensor(smem.k(), typename Traits::SmemLayoutKt{});
+  Tensor sP = smem.tensor(smem.p(), typename Traits::SmemLayoutPdS{});
+  Tensor sdS = smem.tensor(smem.ds(), typename Traits::SmemLayoutPdS{});
+  Tensor sPt = smem.tensor(smem.p(), typename Traits::SmemLayoutPdSt{});
+  Tensor sdSt = smem.tensor(smem.ds(), typename Traits::SmemLayoutPdSt{});
+
+  typename Traits::GmemTiledCopy gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid);
+  Tensor tQgQ = gmem_thr.partition_S(gQ);  // (CPY, CPY_M, CPY_K, m_blocks)
+  Tensor tQgdO = gmem_thr.partition_S(gdO);
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(BlockQ{}));
+  Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(BlockKV{}));
+  auto load_q_do = [&](int m_block, int stage) {
+    const int rows = p.seqlen_q - m_block * kBlockM;
+    Tensor tQsQ = gmem_thr.partition_D(smem.tensor(smem.q(stage), typename Traits::SmemLayoutQdO{}));
+    Tensor tQsdO = gmem_thr.partition_D(smem.tensor(smem.dout(stage), typename Traits::SmemLayoutQdO{}));
+    copy_tile<true>(gmem_copy, tQgQ(_, _, _, m_block), tQsQ, tQcQ, rows, p.head_dim);
+    copy_tile<true>(gmem_copy, tQgdO(_, _, _, m_block), tQsdO, tQcQ, rows, p.head_dim);
+  };
+
+  // dV += P^T dO and dK += dS^T Q: P, dS, Q and dO are all read transposed (ldmatrix.trans).
+  typename Traits::TiledMmadKV mma_dkv;
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto copy_a_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomT{}, mma_dkv);
+  auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dkv);
+  auto thr_a_dkv = copy_a_dkv.get_thread_slice(tid);
+  auto thr_b_dkv = copy_b_dkv.get_thread_slice(tid);
+  Tensor tdKVrA = thr_dkv.partition_fragment_A(fragment_shape<Element, kBlockN, kBlockM>());
+  Tensor tdKVrB = thr_dkv.partition_fragment_B(fragment_shape<Element, kHeadDim, kBlockM>());
+  Tensor tdVsPt = thr_a_dkv.partition_S(sPt);
+  Tensor tdKsdSt = thr_a_dkv.partition_S(sdSt);
+  Tensor acc_dk = partition_fragment_C(mma_dkv, BlockKV{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, BlockKV{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  typename Traits::TiledMmadQ mma_dq;
+  Tensor tdQcdQ = mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(BlockQ{}));
+
+  if (m_block_begin < m_block_end) {
+    copy_tile<true>(gmem_copy, gmem_thr.partition_S(gK), gmem_thr.partition_D(sK), tKcK, p.seqlen_k - col_offset,
+                    p.head_dim);
+    copy_tile<true>(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKcK, p.seqlen_k - col_offset,
+                    p.head_dim);
+    load_q_do(m_block_begin, 0);
+    cp_async_fence();
+  }
+
+  for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
+    const int stage = kStages == 2 ? (m_block - m_block_begin) % 2 : 0;
+    const int row_offset = m_block * kBlockM;
+    Tensor sQ = smem.tensor(smem.q(stage), typename Traits::SmemLayoutQdO{});
+    Tensor sdO = smem.tensor(smem.dout(stage), typename Traits::SmemLayoutQdO{});
+    Tensor sQt = smem.tensor(smem.q(stage), typename Traits::SmemLayoutQdOt{});
+    Tensor sdOt = smem.tensor(smem.dout(stage), typename Traits::SmemLayoutQdOt{});
+
+    cp_async_wait<0>();
+    __syncthreads();  // Q[m], dO[m] (and K, V) landed; every warp is done with the previous sP / sdS / stage
+    if (kStages == 2 && m_block + 1 < m_block_end) {
+      load_q_do(m_block + 1, stage ^ 1);  // lands while this block's five GEMMs run
+      cp_async_fence();
+    }
+
+    bwd_p_ds<Traits>(p, sQ, sdO, sK, sV, sP, sdS, lse, d_sum, row_offset, col_offset);
+    __syncthreads();  // sP and sdS complete: every warp reads all of them below
+
+    gemm_ss(mma_dkv, acc_dv, tdKVrA, tdKVrB, tdVsPt, thr_b_dkv.partition_S(sdOt), copy_a_dkv, copy_b_dkv, thr_a_dkv,
+            thr_b_dkv);
+    gemm_ss(mma_dkv, acc_dk, tdKVrA, tdKVrB, tdKsdSt, thr_b_dkv.partition_S(sQt), copy_a_dkv, copy_b_dkv, thr_a_dkv,
+            thr_b_dkv);
+
+    if (!p.deterministic) {
+      // This key block's share of dQ, added into the fp32 accumulator (softmax_scale applied later).
+      Tensor acc_dq = partition_fragment_C(mma_dq, BlockQ{});
+      clear(acc_dq);
+      bwd_dq_tile<Traits>(acc_dq, sdS, sKt);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dq); ++i) {
+        const int row = row_offset + get<0>(tdQcdQ(i)), col = get<1>(tdQcdQ(i));
+        if (row < p.seqlen_q && col < p.head_dim) atomicAdd(dq_accum + int64_t(row) * p.head_dim + col, acc_dq(i));
+      }
+    }
+
+    if (kStages == 1 && m_block + 1 < m_block_end) {
+      __syncthreads();  // every warp is done reading sQ and sdO
+      load_q_do(m_block + 1, 0);
+      cp_async_fence();
+    }
+  }
+
+  // dK = softmax_scale * dS^T Q and dV, staged through sK / sV (free once every warp is past the loop).
+  auto out_tile = [&](void* base, Strides const& st) {
+    return local_tile(head_tensor<kHeadDim, Element>(base, st, batch, head, p.seqlen_k), BlockKV{},
+                      make_coord(n_block, 0));
+  };
+  Tensor gdK = out_tile(p.dk, p.dk_stride);
+  Tensor gdV = out_tile(p.dv, p.dv_stride);
+  __syncthreads();
+  store_acc_tile<Traits>(mma_dkv, acc_dk, p.softmax_scale, sK, gdK, p.seqlen_k - col_offset, p.head_dim);
+  store_acc_tile<Traits>(mma_dkv, acc_dv, 1.f, sV, gdV, p.seqlen_k - col_offset, p.head_dim);
+}
+
+// Deterministic dQ: one query block per CTA, key blocks visited in a fixed order, no atomics.
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const __grid_constant__ BwdParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  using BlockQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using BlockKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+
+  const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int head_kv = head / (p.nheads / p.nheads_k);
+  const int tid = threadIdx.x;
+  const int row_offset = m_block * kBlockM;
+  const int n_block_end = key_block_end<kBlockM, kBlockN>(m_block, p.seqlen_q, p.seqlen_k, p.causal);
+
+  Tensor gQ = local_tile(head_tensor<kHeadDim, const Element>(p.q, p.q_stride, batch, head, p.seqlen_q), BlockQ{},
+                         make_coord(m_block, 0));
+  Tensor gdO = local_tile(head_tensor<kHeadDim, const Element>(p.dout, p.dout_stride, batch, head, p.seqlen_q),
+                          BlockQ{}, make_coord(m_block, 0));
+  Tensor gK = local_tile(head_tensor<kHeadDim, const Element>(p.k, p.k_stride, batch, head_kv, p.seqlen_k),
+                         BlockKV{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n_blocks)
+  Tensor gV = local_tile(head_tensor<kHeadDim, const Element>(p.v, p.v_stride, batch, head_kv, p.seqlen_k),
+                         BlockKV{}, make_coord(_, 0));
+  const int64_t bh = int64_t(batch) * p.nheads + head;
+
+  extern __shared__ char smem_raw[];
+  BwdSmem<Traits> smem(smem_raw);
+  Tensor sQ = smem.tensor(smem.q(0), typename Traits::SmemLayoutQdO{});
+  Tensor sdO = smem.tensor(smem.dout(0), typename Traits::SmemLayoutQdO{});
+  Tensor sK = smem.tensor(smem.k(), typename Traits::SmemLayoutKV{});
+  Tensor sV = smem.tensor(smem.v(), typename Traits::SmemLayoutKV{});
+  Tensor sKt = smem.tensor(smem.k(), typename Traits::SmemLayoutKt{});
+  Tensor sP = smem.tensor(smem.p(), typename Traits::SmemLayoutPdS{});
+  Tensor sdS = smem.tensor(smem.ds(), typename Traits::SmemLayoutPdS{});
+
+  typename Traits::GmemTiledCopy gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid);
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(BlockQ{}));
+  Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(BlockKV{}));
+  Tensor tKgK = gmem_thr.partition_S(gK);
+  Tensor tKgV = gmem_thr.partition_S(gV);
+  Tensor tKsK = gmem_thr.partition_D(sK);
+  Tensor tKsV = gmem_thr.partition_D(sV);
+  copy_tile<true>(gmem_copy, gmem_thr.partition_S(gQ), gmem_thr.partition_D(sQ), tQcQ, p.seqlen_q - row_offset,
+                  p.head_dim);
+  copy_tile<true>(gmem_copy, gmem_thr.partition_S(gdO), gmem_thr.partition_D(sdO), tQcQ, p.seqlen_q - row_offset,
+                  p.head_dim);
+
+  typename Traits::TiledMmadQ mma_dq;
+  Tensor acc_dq = partition_fragment_C(mma_dq, BlockQ{});
+  clear(acc_dq);
+  for (int n_block = 0; n_block < n_block_end; ++n_block) {
+    const int col_offset = n_block * kBlockN;
+    __syncthreads();  // every warp is done reading the previous sK / sV / sdS
+    copy_tile<true>(gmem_copy, tKgK(_, _, _, n_block), tKsK, tKcK, p.seqlen_k - col_offset, p.head_dim);
+    copy_tile<true>(gmem_copy, tKgV(_, _, _, n_block), tKsV, tKcK, p.seqlen_k - col_offset, p.head_dim);
+    cp_async_fence();
+    cp_async_wait<0>();
+    __syncthreads();
+    bwd_p_ds<Traits>(p, sQ, sdO, sK, sV, sP, sdS, p.lse + bh * p.seqlen_q, p.d_sum + bh * p.seqlen_q, row_offset,
+                     col_offset);
+    __syncthreads();
+    bwd_dq_tile<Traits>(acc_dq, sdS, sKt);
+  }
+
+  Tensor gdQ = local_tile(head_tensor<kHeadDim, Element>(p.dq, p.dq_stride, batch, head, p.seqlen_q), BlockQ{},
+                          make_coord(m_block, 0));
+  // sQ is reused to stage dQ. A block that saw no key skipped the loop, so its Q/dO copies may still be
+  // in flight: drain them first.
+  cp_async_wait<0>();
+  __syncthreads();
+  store_acc_tile<Traits>(mma_dq, acc_dq, p.softmax_scale, sQ, gdQ, p.seqlen_q - row_offset, p.head_dim);
+}
+
+}  // namespace fa2

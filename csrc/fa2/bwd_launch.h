@@ -1,0 +1,55 @@
+// Backward: the tile configuration per head dim, and the three launches. Included only by the kernel
+// TUs in csrc/kernels/, one (head dim, dtype) each.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "fa2/bwd_kernel.h"
+#include "fa2/launch.h"
+#include "fa2/traits.h"
+
+namespace fa2 {
+
+// (kBlockM, kBlockN, Q/dO stages) per head dim. dK and dV live in registers for the whole CTA
+// (2 * kBlockN * head_dim / 256 floats per thread), so wide heads get narrower key blocks, and a single
+// Q/dO buffer keeps shared memory under the 163 KB an A100 allows per block.
+template <int kHeadDim> struct BwdConfig {
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kStages = kHeadDim <= 128 ? 2 : 1;
+};
+
+template <int kHeadDim, DType kDType>
+void run_bwd(const BwdParams& p, cudaStream_t stream) {
+  using Config = BwdConfig<kHeadDim>;
+  using Traits = BwdTraits<kHeadDim, Config::kBlockM, Config::kBlockN, Config::kStages, kDType>;
+  using Element = typename Traits::Element;
+  constexpr int kRowsPerCta = 4;  // preprocess / convert: one warp per row
+  const dim3 row_grid(ceil_div_host(p.seqlen_q, kRowsPerCta), p.nheads, p.batch);
+
+  bwd_preprocess_kernel<Element><<<row_grid, 32 * kRowsPerCta, 0, stream>>>(p);
+  check_cuda(cudaGetLastError(), "bwd preprocess launch");
+
+  constexpr int smem = Traits::kSmemSize;
+  auto set_smem = [&](auto kernel) {
+    if constexpr (smem > 48 * 1024) {
+      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "bwd smem");
+    }
+  };
+  set_smem(&bwd_kernel<Traits>);
+  const dim3 grid(ceil_div_host(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
+  bwd_kernel<Traits><<<grid, Traits::kNThreads, smem, stream>>>(p);
+  check_cuda(cudaGetLastError(), "bwd launch");
+
+  if (p.deterministic) {
+    set_smem(&bwd_dq_kernel<Traits>);
+    const dim3 grid_dq(ceil_div_host(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
+    bwd_dq_kernel<Traits><<<grid_dq, Traits::kNThreads, smem, stream>>>(p);
+    check_cuda(cudaGetLastError(), "bwd dq launch");
+  } else {
+    bwd_convert_dq_kernel<Element><<<row_grid, 32 * kRowsPerCta, 0, stream>>>(p);
+    check_cuda(cudaGetLastError(), "bwd convert launch");
+  }
+}
+
+}  // namespace fa2

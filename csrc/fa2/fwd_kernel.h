@@ -1,0 +1,159 @@
+// FlashAttention-2 forward for one (query block, head, batch): reference.py's flash_fwd_tiled on
+// tensor cores. Names follow CuTe: g* global, s* shared, r* registers; tXgY / tXsY / tXrY are tensor Y
+// partitioned for operation X (tQ/tK/tV: gmem->smem copies, tS: the S = Q K^T MMA, tO: the O += P V MMA).
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "fa2/mask.h"
+#include "fa2/params.h"
+#include "fa2/softmax.h"
+#include "fa2/utils.h"
+
+namespace fa2 {
+using namespace cute;
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ FwdParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  using BlockQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using BlockKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using BlockS = Shape<Int<kBlockM>, Int<kBlockN>>;
+
+  // Causal: the last query blocks see the most keys; launch them first so the tail of the grid is short.
+  const int m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int head_kv = head / (p.nheads / p.nheads_k);  // GQA/MQA: query heads share a K/V head
+  const int tid = threadIdx.x;
+  const int row_offset = m_block * kBlockM;
+  const int n_block_end = key_block_end<kBlockM, kBlockN>(m_block, p.seqlen_q, p.seqlen_k, p.causal);
+
+  // Full tensors of this (batch, head), then this block's tiles.
+  Tensor mQ = head_tensor<kHeadDim, const Element>(p.q, p.q_stride, batch, head, p.seqlen_q);
+  Tensor mK = head_tensor<kHeadDim, const Element>(p.k, p.k_stride, batch, head_kv, p.seqlen_k);
+  Tensor mV = head_tensor<kHeadDim, const Element>(p.v, p.v_stride, batch, head_kv, p.seqlen_k);
+  Tensor gQ = local_tile(mQ, BlockQ{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
+  Tensor gK = local_tile(mK, BlockKV{}, make_coord(_, 0));        // (kBlockN, kHeadDim, n_blocks)
+  Tensor gV = local_tile(mV, BlockKV{}, make_coord(_, 0));
+
+  extern __shared__ char smem[];
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(sQ.data() + cosize(typename Traits::SmemLayoutQ{}), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + cosize(typename Traits::SmemLayoutKV{}), typename Traits::SmemLayoutKV{});
+  Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
+  Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutQ{});  // Q is dead by the epilogue
+
+  // Global -> shared copies, and the (row, col) each thread's chunk covers, for predication.
+  typename Traits::GmemTiledCopy gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid);
+  Tensor tQgQ = gmem_thr.partition_S(gQ);
+  Tensor tQsQ = gmem_thr.partition_D(sQ);
+  Tensor tKgK = gmem_thr.partition_S(gK);  // (CPY, CPY_N, CPY_K, n_blocks)
+  Tensor tKsK = gmem_thr.partition_D(sK);
+  Tensor tVgV = gmem_thr.partition_S(gV);
+  Tensor tVsV = gmem_thr.partition_D(sV);
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(BlockQ{}));
+  Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(BlockKV{}));
+
+  // MMA partitions: register fragments for Q, K, V^T and the accumulators.
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tid);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);
+  Tensor tOrVt = thr_mma.partition_fragment_B(make_tensor(sV.data(), typename Traits::SmemLayoutVtShape{}));
+  Tensor acc_o = partition_fragment_C(tiled_mma, BlockQ{});  // (MMA, MMA_M, MMA_K) fp32
+  Tensor tScS = thr_mma.partition_C(make_identity_tensor(BlockS{}));
+  Tensor tOcO = thr_mma.partition_C(make_identity_tensor(BlockQ{}));
+
+  // Shared -> register copies (ldmatrix), laid out to match the MMA fragments.
+  auto smem_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_q = smem_copy_q.get_thread_slice(tid);
+  Tensor tSsQ = smem_thr_q.partition_S(sQ);
+  auto smem_copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_k = smem_copy_k.get_thread_slice(tid);
+  Tensor tSsK = smem_thr_k.partition_S(sK);
+  auto smem_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma);
+  auto smem_thr_v = smem_copy_v.get_thread_slice(tid);
+  Tensor tOsVt = smem_thr_v.partition_S(sVt);
+
+  constexpr int kRowsPerThread = decltype(size<0>(rowcol_layout(acc_o.layout())))::value;
+  OnlineSoftmax<kRowsPerThread> softmax;  // starts empty: m = -inf, l = 0
+  clear(acc_o);
+
+  if (n_block_end > 0) {
+    // Prologue: Q and the last visited K tile (the only one that can be cut by seqlen_k).
+    copy_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, p.seqlen_q - row_offset, p.head_dim);
+    copy_tile<true>(gmem_copy, tKgK(_, _, _, n_block_end - 1), tKsK, tKcK, p.seqlen_k - (n_block_end - 1) * kBlockN,
+                    p.head_dim);
+    cp_async_fence();
+  }
+
+  // Key blocks from the last visited one down to 0: the first few are the only ones that can need a mask.
+  // Order of work per block (FA2): V[n] streams in while S = Q K[n]^T runs; K[n-1] streams in while
+  // softmax and O += P V[n] run. K and V have one buffer each, so every refill waits behind a barrier
+  // that proves all warps are done reading it.
+  const int n_masked_begin = n_block_end - masked_key_blocks<kBlockM, kBlockN>(p.causal);
+  for (int n_block = n_block_end - 1; n_block >= 0; --n_block) {
+    Tensor acc_s = partition_fragment_C(tiled_mma, BlockS{});
+    clear(acc_s);
+    cp_async_wait<0>();
+    __syncthreads();  // K[n] (and Q) landed; all warps finished O += P V[n+1], so sV may be refilled
+    copy_tile<true>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKcK, p.seqlen_k - n_block * kBlockN, p.head_dim);
+    cp_async_fence();
+
+    gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
+    if (n_block >= n_masked_begin) {
+      apply_mask(acc_s, tScS, row_offset, n_block * kBlockN, p.seqlen_q, p.seqlen_k, p.causal);
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V[n] landed; all warps finished S = Q K[n]^T, so sK may be refilled
+    if (n_block > 0) {
+      copy_tile<false>(gmem_copy, tKgK(_, _, _, n_block - 1), tKsK, tKcK, kBlockN, p.head_dim);
+      cp_async_fence();
+    }
+
+    softmax.update(acc_s, acc_o, p.scale_log2);
+    // P goes to the second MMA as its A operand, straight from registers.
+    Tensor rP = convert_type<Element>(acc_s);
+    Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+    gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, smem_thr_v);
+  }
+
+  // Epilogue: normalise, write lse, stage O through shared memory for 16-byte coalesced stores.
+  float lse[kRowsPerThread];
+  softmax.finalize(acc_o, p.softmax_scale, lse);
+  {
+    Tensor c = make_tensor(tOcO.data(), rowcol_layout(tOcO.layout()));
+    float* lse_row = p.lse + (int64_t(batch) * p.nheads + head) * p.seqlen_q + row_offset;
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRowsPerThread; ++mi) {
+      const int row = get<0>(c(mi, 0));
+      if (get<1>(c(0, 0)) == 0 && row < p.seqlen_q - row_offset) lse_row[row] = lse[mi];
+    }
+  }
+
+  Tensor rO = convert_type<Element>(acc_o);
+  auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomOut{}, tiled_mma);
+  auto smem_thr_o = smem_copy_o.get_thread_slice(tid);
+  Tensor taccOrO = smem_thr_o.retile_S(rO);
+  Tensor taccOsO = smem_thr_o.partition_D(sO);
+  __syncthreads();  // every warp is done reading sQ before it is overwritten with O
+  copy(smem_copy_o, taccOrO, taccOsO);
+  __syncthreads();
+
+  typename Traits::GmemTiledCopyOut gmem_copy_o;
+  auto gmem_thr_o = gmem_copy_o.get_thread_slice(tid);
+  Tensor mO = head_tensor<kHeadDim, Element>(p.o, p.o_stride, batch, head, p.seqlen_q);
+  Tensor gO = local_tile(mO, BlockQ{}, make_coord(m_block, 0));
+  Tensor tOsO = gmem_thr_o.partition_S(sO);
+  Tensor tOgO = gmem_thr_o.partition_D(gO);
+  Tensor tOrO = make_tensor<Element>(shape(tOgO));
+  copy(gmem_copy_o, tOsO, tOrO);
+  store_tile(gmem_copy_o, tOrO, tOgO, tQcQ, p.seqlen_q - row_offset, p.head_dim);
+}
+
+}  // namespace fa2

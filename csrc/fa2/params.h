@@ -1,0 +1,42 @@
+// Plain parameter structs handed from the bindings to the kernels: pointers, 64-bit element strides,
+// sizes and flags. No torch, no CuTe: this header is the whole contract between host and device code.
+#pragma once
+#include <cstdint>
+
+namespace fa2 {
+
+// Layout of q/k/v/o (and their gradients): (batch, seqlen, nheads, head_dim), last dim contiguous,
+// every other stride arbitrary (slices of a packed qkv tensor are fine). Strides count elements.
+struct Strides {
+  int64_t batch = 0, row = 0, head = 0;
+};
+
+struct FwdParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;  // (batch, nheads, seqlen_q), contiguous; natural log
+  Strides q_stride, k_stride, v_stride, o_stride;
+
+  int batch = 0, seqlen_q = 0, seqlen_k = 0;
+  int nheads = 0, nheads_k = 0;  // nheads % nheads_k == 0 (GQA/MQA)
+  int head_dim = 0;              // actual head dim; the kernel is instantiated for a rounded-up size
+
+  float softmax_scale = 0.f;
+  float scale_log2 = 0.f;  // softmax_scale * log2(e): softmax runs in base 2 (exp2 is one MUFU op)
+  bool causal = false;     // bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
+};
+
+struct BwdParams : FwdParams {
+  const void* dout = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;  // (batch, seqlen_k, nheads, head_dim): one slice per *query* head;
+  void* dv = nullptr;  // the Python layer sums the groups for GQA/MQA
+  float* dq_accum = nullptr;  // (batch, nheads, seqlen_q, head_dim) fp32 workspace, zeroed by the kernels
+  float* d_sum = nullptr;     // D = rowsum(dO * O): (batch, nheads, seqlen_q) fp32 workspace
+  Strides dout_stride, dq_stride, dk_stride, dv_stride;
+  bool deterministic = false;
+};
+
+}  // namespace fa2

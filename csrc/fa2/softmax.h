@@ -1,0 +1,80 @@
+// Online softmax of FlashAttention-2 (reference.py: flash_fwd_tiled), in registers, base 2.
+// Per row a thread keeps m (running max of raw scores) and a partial l (its own columns' share of the
+// running sum); the four threads of an MMA quad that share a row combine l only once, at the end.
+#pragma once
+
+#include <cmath>
+#include <cute/tensor.hpp>
+
+#include "fa2/utils.h"
+
+namespace fa2 {
+using namespace cute;
+
+// The four lanes of a quad hold the columns of the same accumulator rows.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+template <int kNRows>
+struct OnlineSoftmax {
+  float row_max[kNRows];  // m
+  float row_sum[kNRows];  // l (this thread's partial)
+
+  __device__ __forceinline__ OnlineSoftmax() {
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) row_max[mi] = -INFINITY, row_sum[mi] = 0.f;
+  }
+
+  // One K/V tile: raise m, turn the scores in acc_s into P = exp2(S*scale_log2 - m*scale_log2) in place,
+  // and rescale l and acc_o by exp2((m_old - m_new)*scale_log2). On the first tile m_old = -inf, so the
+  // correction is 0 and acc_o (still zero) stays zero: no special first iteration.
+  template <typename TensorS, typename TensorO>
+  __device__ __forceinline__ void update(TensorS& acc_s, TensorO& acc_o, float scale_log2) {
+    Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
+    Tensor o = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));
+    static_assert(decltype(size<0>(s))::value == kNRows);
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      float m = row_max[mi];
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
+      m = quad_max(m);
+      // A row whose keys are all masked so far has m = -inf: offset by 0 so exp2 yields 0, not NaN.
+      const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+      const float correction = row_max[mi] == -INFINITY ? 0.f : exp2f(row_max[mi] * scale_log2 - m_scaled);
+      row_max[mi] = m;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(o); ++ni) o(mi, ni) *= correction;
+      float sum = row_sum[mi] * correction;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(s); ++ni) {
+        s(mi, ni) = exp2f(s(mi, ni) * scale_log2 - m_scaled);  // one FFMA + one MUFU.EX2
+        sum += s(mi, ni);
+      }
+      row_sum[mi] = sum;
+    }
+  }
+
+  // O = acc / l and lse = m*scale + log(l). Rows that saw no key (l == 0) give O = 0, lse = -inf.
+  template <typename TensorO>
+  __device__ __forceinline__ void finalize(TensorO& acc_o, float softmax_scale, float (&lse)[kNRows]) {
+    Tensor o = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      const float l = quad_sum(row_sum[mi]);
+      const bool empty = l == 0.f || l != l;
+      const float inv_l = empty ? 1.f : 1.f / l;
+      lse[mi] = empty ? -INFINITY : row_max[mi] * softmax_scale + __logf(l);
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(o); ++ni) o(mi, ni) *= inv_l;
+    }
+  }
+};
+
+}  // namespace fa2

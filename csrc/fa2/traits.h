@@ -1,0 +1,134 @@
+// Per-configuration compile-time choices: tile sizes, warps, shared-memory layouts, copy and MMA atoms.
+// The kernels are generic over a Traits type; changing a tile shape never touches a mainloop.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "fa2/dtype.h"
+
+namespace fa2 {
+using namespace cute;
+
+template <DType> struct ElementOf;
+template <> struct ElementOf<DType::fp16> {
+  using type = cutlass::half_t;
+  using MmaAtom = SM80_16x8x16_F32F16F16F32_TN;
+};
+template <> struct ElementOf<DType::bf16> {
+  using type = cutlass::bfloat16_t;
+  using MmaAtom = SM80_16x8x16_F32BF16BF16F32_TN;
+};
+
+// Pieces shared by the forward and backward traits.
+template <int kHeadDim_, int kNWarps_, DType kDType>
+struct BaseTraits {
+  using Element = typename ElementOf<kDType>::type;
+  using MmaAtom = typename ElementOf<kDType>::MmaAtom;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+
+  // Shared-memory rows are handled in chunks of 64 elements (128 bytes) where the head dim allows,
+  // else 32. The XOR swizzle spreads the 8 rows that one ldmatrix reads over 8 different 16-byte
+  // bank groups, so neither the cp.async writes nor the ldmatrix reads conflict.
+  static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzleBits = kBlockKSmem == 64 ? 3 : 2;
+  using SmemLayoutAtom = decltype(composition(
+      Swizzle<kSwizzleBits, 3, 3>{},
+      Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
+
+  // Global -> shared: 16-byte cp.async per thread; consecutive threads cover one row chunk so a warp
+  // reads whole 128-byte lines.
+  static constexpr int kGmemElemsPerLoad = 16 / sizeof(Element);
+  static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
+  using GmemThreadLayout = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
+                                  Stride<Int<kGmemThreadsPerRow>, _1>>;
+  using GmemTiledCopy = decltype(make_tiled_copy(
+      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemThreadLayout{},
+      Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
+  // Shared -> global (outputs): plain 16-byte loads/stores with the same thread arrangement.
+  using GmemTiledCopyOut = decltype(make_tiled_copy(
+      Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{}, GmemThreadLayout{},
+      Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
+
+  // Shared -> registers through ldmatrix: plain for operands stored K-major, transposed for V
+  // (and for every operand the backward reads along the other dimension).
+  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  // Registers -> shared for accumulators converted to Element: each thread holds column pairs.
+  using SmemCopyAtomOut = Copy_Atom<UniversalCopy<uint32_t>, Element>;
+};
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, DType kDType>
+struct FwdTraits : BaseTraits<kHeadDim_, kNWarps_, kDType> {
+  using Base = BaseTraits<kHeadDim_, kNWarps_, kDType>;
+  using typename Base::Element;
+  using typename Base::SmemLayoutAtom;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static_assert(kBlockM % (16 * kNWarps_) == 0, "each warp owns whole 16-row MMA slabs of Q");
+
+  // FA2's work split: warps tile the rows of Q only, so each warp owns complete rows of S and of O
+  // and the online softmax never needs another warp. N = 16 per tile so one ldmatrix.x4 feeds two
+  // n8 MMAs.
+  using TiledMma = TiledMMA<MMA_Atom<typename Base::MmaAtom>, Layout<Shape<Int<kNWarps_>, _1, _1>>,
+                            Tile<Int<16 * kNWarps_>, _16, _16>>;
+
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // V viewed as (head_dim, kBlockN): the B operand of O += P V. Same bytes, no copy.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  // Unswizzled twin of SmemLayoutVt, only to shape the register fragment.
+  using SmemLayoutVtShape = decltype(make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{}));
+
+  // O is staged in the bytes of sQ (Q is dead by the epilogue).
+  static constexpr int kSmemSize =
+      (cosize(SmemLayoutQ{}) + 2 * cosize(SmemLayoutKV{})) * int(sizeof(Element));
+};
+
+
+// Backward: a CTA owns one K/V block (kBlockN keys) and walks the query blocks. Eight warps; each GEMM
+// gets its own warp arrangement so every warp has a 32-row-or-wider slab of its output:
+//   S = Q K^T, dP = dO V^T   (kBlockM x kBlockN):  2 x 4 warps
+//   dV += P^T dO, dK += dS^T Q (kBlockN x head_dim): 4 x 2 warps
+//   dQ = dS K                 (kBlockM x head_dim): 4 x 2 warps
+// P and dS go through shared memory: dV and dK need them transposed (ldmatrix.trans reads them back).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, DType kDType>
+struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
+  using Base = BaseTraits<kHeadDim_, 8, kDType>;
+  using typename Base::Element;
+  using typename Base::MmaAtom;
+  using typename Base::SmemLayoutAtom;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;  // Q/dO buffers: 2 overlaps the next load with this block's math
+  static_assert(kStages == 1 || kStages == 2);
+
+  using TiledMmaSdP = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>;
+  using TiledMmadKV = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
+  using TiledMmadQ = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
+
+  using SmemLayoutQdO = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // P and dS rows are kBlockN (64 or 128) long: always the 128-byte swizzle.
+  using SmemLayoutAtomPdS = decltype(composition(Swizzle<3, 3, 3>{}, Layout<Shape<_8, _64>, Stride<_64, _1>>{}));
+  using SmemLayoutPdS = decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+
+  // Transposed views (same bytes) for the operands read along their other dimension.
+  template <typename L, int R, int C>
+  using Transposed = decltype(composition(L{}, make_layout(Shape<Int<R>, Int<C>>{}, GenRowMajor{})));
+  using SmemLayoutPdSt = Transposed<SmemLayoutPdS, kBlockN, kBlockM>;  // (kBlockN, kBlockM)
+  using SmemLayoutQdOt = Transposed<SmemLayoutQdO, kHeadDim, kBlockM>;  // (head_dim, kBlockM)
+  using SmemLayoutKt = Transposed<SmemLayoutKV, kHeadDim, kBlockN>;     // (head_dim, kBlockN)
+
+  static constexpr int kQdOElems = cosize(SmemLayoutQdO{});
+  static constexpr int kKVElems = cosize(SmemLayoutKV{});
+  static constexpr int kPdSElems = cosize(SmemLayoutPdS{});
+  static constexpr int kSmemSize = (2 * kStages * kQdOElems + 2 * kKVElems + 2 * kPdSElems) * int(sizeof(Element));
+};
+
+}  // namespace fa2
