@@ -24,10 +24,12 @@ def assert_close_to_ref(ours, ref64, ref_low, *, name, factor=2.0, atol=1e-4):
         f"{name}: max error {err:.3e} at {worst} exceeds {factor} x torch low-precision error {low:.3e} + {atol}")
 
 
-def assert_lse_close(lse, lse64, *, name, atol=1e-3):
+def assert_lse_close(lse, lse64, *, name, atol=1e-3, rtol=4e-6):
+    """lse is float32: beyond atol, allow the rounding of fp32 dot products (~head_dim * 2^-24 relative)."""
     assert not torch.isnan(lse).any(), f"{name}: NaN in lse"
     empty = torch.isneginf(lse64)
     assert torch.equal(torch.isneginf(lse), empty), f"{name}: -inf pattern of lse differs from the reference"
     if (~empty).any():
-        err = (lse.double()[~empty] - lse64.double()[~empty]).abs().max().item()
-        assert err <= atol, f"{name}: lse error {err:.3e} > {atol}"
+        ref = lse64.double()[~empty]
+        excess = ((lse.double()[~empty] - ref).abs() - (atol + rtol * ref.abs())).max().item()
+        assert excess <= 0, f"{name}: lse error exceeds {atol} + {rtol}*|lse| by {excess:.3e}"

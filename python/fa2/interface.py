@@ -1,9 +1,15 @@
-"""The public API: argument checking (once, here), output allocation through torch, and the launch of
-the compiled kernels in fa2._C on the current CUDA stream. The C++ side re-checks sizes, so a bad call
-can never write out of bounds; the checks here exist to give a message that names the argument."""
+"""The public API: argument checks (once, here), allocation through torch, and the launch of fa2._C's
+kernels on the current CUDA stream. The C++ side re-checks sizes so that a bad call can never write out of
+bounds; the checks here exist to give a message that names the argument and the fix.
+
+Nothing here reads tensor values on the host (no .item(), no branching on data), so fwd and bwd can later
+be wrapped as torch.library custom ops and captured in CUDA graphs."""
 from __future__ import annotations
 
+import functools
+import contextlib
 import math
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -11,128 +17,179 @@ import torch
 try:
     from fa2 import _C
 except ImportError as e:  # a source checkout without a build, or a broken install
-    _C = None
-    _IMPORT_ERROR = e
+    _C, _IMPORT_ERROR = None, e
 
-_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-def build_info() -> dict:
-    """What this build compiled: CUDA version, GPU archs, head dims and dtypes."""
-    return _ext().build_info()
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def _ext():
     if _C is None:
-        raise RuntimeError(f"fa2's CUDA extension is not built ({_IMPORT_ERROR}); install the package with `pip install .`")
+        raise RuntimeError(f"fa2's CUDA extension fa2._C is not built ({_IMPORT_ERROR}). Build and install it with "
+                           "`pip install .` from the repository root (needs nvcc), and import fa2 from the "
+                           "installed package rather than from the source tree.")
     return _C
 
 
-def _strides(t: torch.Tensor) -> Tuple[int, int, int]:
-    return (t.stride(0), t.stride(1), t.stride(2))
+def build_info() -> dict:
+    """What this build compiled: version, cuda_version, archs, fwd_head_dims, bwd_head_dims, dtypes."""
+    return _ext().build_info()
 
 
-def _check_layout(name: str, t: torch.Tensor) -> None:
-    """Last dim contiguous and 16-byte aligned rows: the kernels move 16 bytes per thread (cp.async)."""
+@functools.lru_cache(maxsize=None)
+def _compiled() -> dict:
+    return build_info()
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def _check_tensor(name: str, t, *, dtype: torch.dtype, shape: tuple, what: str) -> None:
+    """t is a tensor of this dtype and shape (`what` says where that requirement comes from)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be a {dtype} tensor ({what}), got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} ({what}), got {tuple(t.shape)}")
+
+
+def _loadable(t: torch.Tensor) -> bool:
+    """The kernels move 16-byte chunks (cp.async): last dim contiguous, every row 16-byte aligned."""
+    aligned = t.data_ptr() % 16 == 0 and all(t.stride(i) % 8 == 0 for i in range(t.dim() - 1) if t.size(i) > 1)
+    return t.stride(-1) == 1 and (aligned or t.numel() == 0)
+
+
+def _check_loadable(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {tuple(t.stride())}: "
-                         f"call {name}.contiguous()")
-    misaligned = any(t.size(i) > 1 and t.stride(i) % 8 != 0 for i in range(3)) or t.data_ptr() % 16 != 0
-    if t.numel() > 0 and misaligned:
-        raise ValueError(f"{name} rows must start on 16-byte boundaries (strides multiple of 8 elements), got strides "
-                         f"{tuple(t.stride())}: call {name}.contiguous()")
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}: "
+                         f"pass {name}.contiguous()")
+    if not _loadable(t):
+        raise ValueError(f"{name} must start on a 16-byte boundary with strides that are multiples of 8 elements, "
+                         f"got strides {t.stride()} (data_ptr % 16 = {t.data_ptr() % 16}): pass {name}.contiguous()")
 
 
 def _check_qkv(q, k, v) -> None:
+    """Types, shapes and strides of q, k, v; no device needed, so CPU tensors exercise every message."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _DTYPES:
+        if t.dtype not in _DTYPE_NAMES:
             raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}: cast it (e.g. {name}.to(torch.bfloat16))"
-                            f" or run under torch.autocast")
+                            f", or call fa2.attention inside torch.autocast")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}: cast k and v to "
+                        f"q's dtype")
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims (batch, seqlen, nheads, head_dim), got shape {tuple(t.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    b, _, h, d = q.shape
-    if k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k must be (batch={b}, seqlen_k, nheads_k, head_dim={d}) to match q {tuple(q.shape)}, "
-                         f"got {tuple(k.shape)}")
+            raise ValueError(f"{name} must be 4-D (batch, seqlen, nheads, head_dim), got shape {tuple(t.shape)}; "
+                             f"for a single sequence use {name}.unsqueeze(0)")
+    batch, _, nheads, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k must be (batch={batch}, seqlen_k, nheads_k, head_dim={head_dim}) to match q of shape "
+                         f"{tuple(q.shape)}, got {tuple(k.shape)}")
     if v.shape != k.shape:
         raise ValueError(f"v must have the same shape as k {tuple(k.shape)}, got {tuple(v.shape)}")
-    hk = k.shape[2]
-    if hk == 0 or h % hk != 0:
-        raise ValueError(f"nheads of q ({h}) must be a multiple of nheads of k and v ({hk}) (GQA/MQA)")
-    if d % 8 != 0 or d > 256 or d == 0:
-        raise ValueError(f"head_dim must be a multiple of 8 between 8 and 256, got {d}")
+    nheads_k = k.shape[2]
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k's and v's nheads_k ({nheads_k}) "
+                         f"(GQA/MQA: each K/V head serves nheads // nheads_k query heads)")
+    if head_dim % 8 != 0 or not 8 <= head_dim <= 256:
+        raise ValueError(f"head_dim (last dim of q, k, v) must be a multiple of 8 in [8, 256], got {head_dim}: "
+                         f"zero-pad q, k and v to a multiple of 8 (and pass softmax_scale for the true head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_layout(name, t)
+        _check_loadable(name, t)
 
 
-def _check_device(**tensors) -> None:
-    """All on one CUDA device of an sm80+ GPU. Runs after the shape checks, so those work on CPU tensors too."""
-    for name, t in tensors.items():
-        if t is not None and t.device.type != "cuda":
-            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}: move it with {name}.cuda()")
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"all tensors must be on the same device, got {devices}")
-    device = next(iter(devices.values()))
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 8:
-        raise RuntimeError(f"fa2 needs an sm80+ GPU (Ampere or newer); {device} is sm{major}{minor}")
-
-
-def _check_out(name: str, t: Optional[torch.Tensor], like: torch.Tensor, shape) -> None:
+def _check_buffer(name: str, t, like: torch.Tensor, like_name: str, *, shape=None) -> None:
+    """An output buffer (or out/dout in bwd): like `like` in dtype and shape, loadable by the kernels."""
     if t is None:
         return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape) or t.dtype != like.dtype or t.device != like.device:
-        raise ValueError(f"{name} must be a {like.dtype} tensor of shape {tuple(shape)} on {like.device}, "
-                         f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    _check_layout(name, t)
+    _check_tensor(name, t, dtype=like.dtype, shape=like.shape if shape is None else shape, what=f"like {like_name}")
+    _check_loadable(name, t)
 
 
-def _scale(softmax_scale: Optional[float], head_dim: int) -> float:
+def _check_device_and_build(kind: str, q: torch.Tensor, **tensors) -> None:
+    """After the shape checks: every tensor on q's CUDA device, an sm80+ GPU, a kernel in this build."""
+    for name, t in (("q", q), *tensors.items()):
+        if t is None:
+            continue
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}: move it with {name}.cuda()")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}: put every tensor on one GPU")
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major < 8:
+        raise RuntimeError(f"fa2 needs an sm80+ GPU (Ampere or newer); {q.device} is sm{major}{minor}")
+    info, head_dim, dtype = _compiled(), q.shape[-1], _DTYPE_NAMES[q.dtype]
+    if dtype not in info["dtypes"]:
+        raise ValueError(f"this build of fa2 has no {dtype} kernels (it has {info['dtypes']}): cast q, k and v, or "
+                         f"rebuild with FA2_DTYPES including {dtype}")
+    head_dims = info[f"{kind}_head_dims"]
+    if not head_dims or head_dim > max(head_dims):
+        raise ValueError(f"head_dim {head_dim} needs a {kind} kernel for a head dim >= {head_dim}, and this build has "
+                         f"{head_dims}: rebuild with FA2_HEAD_DIMS including one")
+
+
+def _check_fwd(q, k, v, out) -> None:
+    _check_qkv(q, k, v)
+    _check_buffer("out", out, q, "q")
+    _check_device_and_build("fwd", q, k=k, v=v, out=out)
+
+
+def _check_bwd(dout, q, k, v, out, lse, dq, dk, dv) -> None:
+    _check_qkv(q, k, v)
+    _check_tensor("dout", dout, dtype=q.dtype, shape=q.shape, what="like q")  # any strides: copied if needed
+    if out is None:
+        raise TypeError("out must be the output tensor of fwd, got None")
+    _check_buffer("out", out, q, "q")
+    batch, seqlen_q, nheads, _ = q.shape
+    _check_tensor("lse", lse, dtype=torch.float32, shape=(batch, nheads, seqlen_q), what="fwd's lse")
+    if not lse.is_contiguous():
+        raise ValueError(f"lse must be contiguous, got strides {lse.stride()}: pass lse.contiguous()")
+    for name, t, like in (("dq", dq, "q"), ("dk", dk, "k"), ("dv", dv, "v")):
+        _check_buffer(name, t, {"q": q, "k": k, "v": v}[like], like)
+    _check_device_and_build("bwd", q, k=k, v=v, out=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv)
+
+
+def _softmax_scale(softmax_scale: Optional[float], head_dim: int) -> float:
     if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    softmax_scale = float(softmax_scale)
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        return head_dim ** -0.5
+    scale = float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):  # the online softmax takes the max of unscaled scores
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
-    return softmax_scale
+    return scale
 
 
-def _launch_args(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> dict:
-    b, sq, h, d = q.shape
-    return dict(batch=b, seqlen_q=sq, seqlen_k=k.shape[1], nheads=h, nheads_k=k.shape[2], head_dim=d,
-                softmax_scale=scale, causal=bool(causal), dtype=_DTYPES[q.dtype], device=q.device.index,
-                stream=torch.cuda.current_stream(q.device).cuda_stream)
+# ----------------------------------------------------------------------------------------------- launch
+def _launch(kernel, q, k, softmax_scale, causal, strided: dict, workspaces: dict, **flags) -> None:
+    """Call _C.fwd / _C.bwd: pointers, (batch, row, head) strides in elements of the 4-D operands, sizes."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    args = {name: t.data_ptr() for name, t in {**strided, **workspaces}.items()}
+    args.update({f"{name}_stride": tuple(t.stride()[:3]) for name, t in strided.items()})
+    with torch.cuda.device(q.device):
+        kernel(**args, batch=batch, seqlen_q=seqlen_q, seqlen_k=k.shape[1], nheads=nheads, nheads_k=k.shape[2],
+               head_dim=head_dim, softmax_scale=softmax_scale, causal=bool(causal), dtype=_DTYPE_NAMES[q.dtype],
+               device=q.device.index, stream=torch.cuda.current_stream(q.device).cuda_stream, **flags)
+
+
+def _new(like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+    return torch.empty(like.shape if shape is None else shape, dtype=dtype or like.dtype, device=like.device)
 
 
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Optional[float] = None,
         causal: bool = False, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward. q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k, head_dim).
-    Returns out (like q) and lse (batch, nheads, seqlen_q) float32, the natural-log softmax normaliser.
-    causal masks key j for query i when j > i + seqlen_k - seqlen_q (aligned to the bottom-right)."""
-    _check_qkv(q, k, v)
-    b, sq, h, d = q.shape
-    _check_out("out", out, q, q.shape)
-    scale = _scale(softmax_scale, d)
-    _check_device(q=q, k=k, v=v, out=out)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    """Attention forward. q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k, head_dim),
+    fp16 or bf16, last dim contiguous, other strides free. softmax_scale defaults to head_dim ** -0.5; causal
+    lets query i see key j iff j <= i + seqlen_k - seqlen_q. Returns out (shaped like q; written into `out` if
+    given) and lse, float32 (batch, nheads, seqlen_q), the natural-log softmax normaliser."""
+    _check_fwd(q, k, v, out)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    scale = _softmax_scale(softmax_scale, head_dim)
+    out = _new(q) if out is None else out
+    lse = _new(q, (batch, nheads, seqlen_q), torch.float32)
     if out.numel() == 0:
         return out, lse
-    if k.shape[1] == 0:  # no keys at all: every row is empty
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
-    with torch.cuda.device(q.device):
-        _ext().fwd(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr(),
-                   q_stride=_strides(q), k_stride=_strides(k), v_stride=_strides(v), out_stride=_strides(out),
-                   **_launch_args(q, k, scale, causal))
+    if k.shape[1] == 0:  # no keys: every row is empty
+        return out.zero_(), lse.fill_(-math.inf)
+    _launch(_ext().fwd, q, k, scale, causal, dict(q=q, k=k, v=v, out=out), dict(lse=lse))
     return out, lse
 
 
@@ -140,67 +197,58 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
         lse: torch.Tensor, *, softmax_scale: Optional[float] = None, causal: bool = False,
         dq: Optional[torch.Tensor] = None, dk: Optional[torch.Tensor] = None, dv: Optional[torch.Tensor] = None,
         deterministic: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention backward from the forward's out and lse (P is recomputed, never stored).
-    deterministic=True computes dQ without atomics, so it is bit-for-bit repeatable (and slower)."""
-    _check_qkv(q, k, v)
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    for name, t in (("dout", dout), ("out", out)):
-        if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must be a {q.dtype} tensor shaped like q {tuple(q.shape)} on {q.device}")
-    _check_layout("out", out)
-    if not isinstance(lse, torch.Tensor) or lse.shape != (b, h, sq) or lse.dtype != torch.float32 or not lse.is_contiguous():
-        raise ValueError(f"lse must be the contiguous float32 (batch, nheads, seqlen_q) = {(b, h, sq)} tensor from fwd")
-    for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        _check_out(name, t, like, like.shape)
-    _check_device(q=q, k=k, v=v, out=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv)
-    if dout.stride(-1) != 1 or any(dout.size(i) > 1 and dout.stride(i) % 8 for i in range(3)) or dout.data_ptr() % 16:
-        dout = dout.contiguous()  # gradients often arrive broadcast or transposed
-    scale = _scale(softmax_scale, d)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
-    if q.numel() == 0 or sk == 0:
-        for t in (dq, dk, dv):
-            t.zero_()
-        return dq, dk, dv
-    # The kernels write one dK/dV slice per query head; GQA/MQA groups are summed below.
-    grouped = hk != h
-    dk_heads = torch.empty((b, sk, h, d), dtype=q.dtype, device=q.device) if grouped else dk
-    dv_heads = torch.empty((b, sk, h, d), dtype=q.dtype, device=q.device) if grouped else dv
-    dq_accum = torch.empty((b, h, sq, d), dtype=torch.float32, device=q.device)
-    d_sum = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    with torch.cuda.device(q.device):
-        _ext().bwd(dout=dout.data_ptr(), q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(),
-                   lse=lse.data_ptr(), dq=dq.data_ptr(), dk=dk_heads.data_ptr(), dv=dv_heads.data_ptr(),
-                   dq_accum=dq_accum.data_ptr(), d_sum=d_sum.data_ptr(), dout_stride=_strides(dout),
-                   q_stride=_strides(q), k_stride=_strides(k), v_stride=_strides(v), out_stride=_strides(out),
-                   dq_stride=_strides(dq), dk_stride=_strides(dk_heads), dv_stride=_strides(dv_heads),
-                   deterministic=bool(deterministic), **_launch_args(q, k, scale, causal))
+    """Attention backward from fwd's out and lse (P is recomputed, never stored). dout may have any strides.
+    Gradients are written into dq/dk/dv if given. deterministic=True computes dQ without atomics, so it is
+    bit-for-bit repeatable (and slower)."""
+    _check_bwd(dout, q, k, v, out, lse, dq, dk, dv)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    scale = _softmax_scale(softmax_scale, head_dim)
+    dout = dout if _loadable(dout) else dout.contiguous()  # gradients often arrive transposed or broadcast
+    dq, dk, dv = (_new(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
+    if q.numel() == 0 or seqlen_k == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    # The kernels write one dK/dV slice per query head; for GQA/MQA the groups are summed below.
+    grouped = nheads != nheads_k
+    dk_heads = _new(q, (batch, seqlen_k, nheads, head_dim)) if grouped else dk
+    dv_heads = _new(q, (batch, seqlen_k, nheads, head_dim)) if grouped else dv
+    dq_accum = _new(q, (batch, nheads, seqlen_q, head_dim), torch.float32)
+    d_sum = _new(q, (batch, nheads, seqlen_q), torch.float32)
+    _launch(_ext().bwd, q, k, scale, causal,
+            dict(dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk_heads, dv=dv_heads),
+            dict(lse=lse, dq_accum=dq_accum, d_sum=d_sum), deterministic=bool(deterministic))
     if grouped:
-        torch.sum(dk_heads.view(b, sk, hk, h // hk, d), dim=3, out=dk)
-        torch.sum(dv_heads.view(b, sk, hk, h // hk, d), dim=3, out=dv)
+        group = nheads // nheads_k
+        torch.sum(dk_heads.view(batch, seqlen_k, nheads_k, group, head_dim), dim=3, out=dk)
+        torch.sum(dv_heads.view(batch, seqlen_k, nheads_k, group, head_dim), dim=3, out=dv)
     return dq, dk, dv
 
 
+# ----------------------------------------------------------------------------------------------- autograd
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale):
         out, lse = fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
-        ctx.save_for_backward(q, k, v, out, lse)  # O(N) memory: no N x N tensor is kept
+        ctx.save_for_backward(q, k, v, out, lse)  # O(seqlen) extra memory: no seqlen_q x seqlen_k tensor
         ctx.causal, ctx.softmax_scale = causal, softmax_scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = bwd(dout, q, k, v, out, lse, softmax_scale=ctx.softmax_scale, causal=ctx.causal)
-        need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        return (dq if need_q else None, dk if need_k else None, dv if need_v else None, None, None)
+        grads = bwd(dout, q, k, v, out, lse, softmax_scale=ctx.softmax_scale, causal=ctx.causal)
+        return (*(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad)), None, None)
+
+
+def _autocast(t):
+    """Under torch.autocast, floating inputs run in the autocast dtype (as for torch's own SDPA)."""
+    if isinstance(t, torch.Tensor) and t.is_cuda and torch.is_autocast_enabled("cuda"):
+        return t.to(torch.get_autocast_dtype("cuda")) if t.is_floating_point() else t
+    return t
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: Optional[float] = None) -> torch.Tensor:
-    """softmax(q k^T * softmax_scale [+ causal mask]) v, differentiable in q, k and v.
-    Layout (batch, seqlen, nheads, head_dim); k/v may have fewer heads (GQA/MQA)."""
-    return _Attention.apply(q, k, v, causal, softmax_scale)
+    """softmax(q k^T * softmax_scale [causal mask]) v, differentiable in q, k and v. Layout
+    (batch, seqlen, nheads, head_dim); k and v may have fewer heads (GQA/MQA). Returns out, shaped like q."""
+    return _Attention.apply(_autocast(q), _autocast(k), _autocast(v), causal, softmax_scale)

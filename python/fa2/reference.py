@@ -1,12 +1,17 @@
-"""Executable specification of fa2, in plain torch (any device, any float dtype).
+"""The executable specification of fa2, in plain torch (any device, any float dtype).
 
-attention_ref is attention as a formula. flash_fwd_tiled / flash_bwd_tiled are FlashAttention-2's
-algorithms (forward: Algorithm 1; backward: recompute P from the log-sum-exp) written tile by tile with the
-same names the CUDA kernels use: m (running row max), l (running row sum), acc (unnormalised output),
-lse, D = rowsum(dO * O), dS. Layout everywhere: (batch, seqlen, nheads, head_dim).
+attention_ref is attention as a formula. flash_fwd_tiled and flash_bwd_tiled are FlashAttention-2's
+algorithms written tile by tile, with the names the CUDA kernels use for the same quantities:
 
-Causal masking is aligned to the bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q. A row
-that sees no key has output 0 and lse -inf (never NaN).
+    S    = Q K^T (unscaled scores)          m    running row max of S
+    P    = softmax probabilities            l    running row sum of P
+    acc  = running unnormalised O = sum P V lse  = log sum_j exp(S_ij * softmax_scale), natural log
+    D    = rowsum(dO * O)                   dS   = P * (dP - D), the gradient w.r.t. the scaled scores
+
+Layout everywhere: (batch, seqlen, nheads, head_dim); k and v may have fewer heads than q (GQA/MQA, one
+K/V head per group of nheads // nheads_k consecutive query heads). Causal masking is aligned to the
+bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q. A row that sees no key has output 0
+and lse -inf, never NaN.
 """
 from __future__ import annotations
 
@@ -16,43 +21,44 @@ from typing import Optional, Tuple
 import torch
 
 LOG2E = math.log2(math.e)
+NEG_INF = float("-inf")
 
 
-def _heads_first(q, k, v):
-    """(b, s, h, d) -> (b, h, s, d), with k/v heads repeated to match q (GQA/MQA)."""
-    group = q.shape[2] // k.shape[2]
-    k = k.repeat_interleave(group, dim=2)
-    v = v.repeat_interleave(group, dim=2)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+def _scale(softmax_scale: Optional[float], q: torch.Tensor) -> float:
+    return q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
 
 
-def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
-    """True where query i may NOT see key j."""
-    i = torch.arange(seqlen_q, device=device)[:, None]
-    j = torch.arange(seqlen_k, device=device)[None, :]
-    return j > i + seqlen_k - seqlen_q
+def _heads_first(*tensors):
+    """(batch, seqlen, heads, d) -> (batch, heads, seqlen, d); K/V heads repeated to match q's (GQA/MQA)."""
+    nheads = tensors[0].shape[2]
+    return [t.repeat_interleave(nheads // t.shape[2], dim=2).transpose(1, 2) for t in tensors]
+
+
+def visible(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+    """Causal mask of the score tile (rows x cols), as in mask.h: True where query i sees key j."""
+    return cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
 
 
 def attention_ref(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None, upcast: bool = True,
                   dtype: torch.dtype = torch.float64) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Plain softmax attention. upcast=True computes in `dtype` (float64 by default); upcast=False computes in
-    the inputs' own precision, the way plain PyTorch attention would. Returns (out in q's dtype, lse float)."""
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    in_dtype = q.dtype
-    if upcast:
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    qh, kh, vh = _heads_first(q, k, v)
-    s = (qh @ kh.transpose(-1, -2)) * scale
+    """softmax(Q K^T * softmax_scale) V. upcast=True computes in `dtype` (float64 by default);
+    upcast=False computes in the inputs' own precision, as plain PyTorch attention would. Returns out in
+    the inputs' dtype and lse (batch, nheads, seqlen_q) in the compute dtype (at least float32)."""
+    scale = _scale(softmax_scale, q)
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    q_, k_, v_ = (t.to(dtype) if upcast else t for t in _heads_first(q, k, v))
+    s = (q_ @ k_.transpose(-1, -2)) * scale
     if causal:
-        s = s.masked_fill(causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
-    lse = torch.logsumexp(s.float() if not upcast else s, dim=-1)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key: all -inf -> 0, not NaN
-    out = (p @ vh).transpose(1, 2)
-    return out.to(in_dtype), lse
+        rows, cols = torch.arange(seqlen_q, device=q.device), torch.arange(seqlen_k, device=q.device)
+        s = s.masked_fill(~visible(rows, cols, seqlen_q, seqlen_k), NEG_INF)
+    lse = torch.logsumexp(s.to(torch.promote_types(s.dtype, torch.float32)), dim=-1)
+    p = torch.softmax(s, dim=-1).masked_fill(torch.isneginf(lse)[..., None], 0.0)  # no visible key: P = 0
+    return (p @ v_).transpose(1, 2).to(q.dtype), lse
 
 
-def _key_block_end(m0: int, block_m: int, seqlen_q: int, seqlen_k: int, causal: bool) -> int:
-    """Keys [0, end) reach query rows [m0, m0 + block_m); later key blocks are skipped entirely."""
+def _key_end(m0: int, block_m: int, seqlen_q: int, seqlen_k: int, causal: bool) -> int:
+    """Query rows [m0, m0 + block_m) see keys [0, key_end) only (mask.h: key_block_end); later K/V blocks
+    lie entirely above the causal diagonal and are never visited."""
     if not causal:
         return seqlen_k
     return max(0, min(seqlen_k, m0 + block_m + seqlen_k - seqlen_q))
@@ -60,68 +66,79 @@ def _key_block_end(m0: int, block_m: int, seqlen_q: int, seqlen_k: int, causal: 
 
 def flash_fwd_tiled(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None, block_m: int = 64,
                     block_n: int = 64) -> Tuple[torch.Tensor, torch.Tensor]:
-    """FlashAttention-2 forward (fwd_kernel.h mirrors this): softmax in base 2 with the scale folded in."""
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    scale_log2 = scale * LOG2E
-    qh, kh, vh = _heads_first(q, k, v)
-    b, h, sq, d = qh.shape
-    sk = kh.shape[2]
-    out = torch.zeros_like(qh)
-    lse = torch.empty(b, h, sq, dtype=qh.dtype, device=q.device)
-    for m0 in range(0, sq, block_m):
-        qi = qh[:, :, m0:m0 + block_m]
-        rows = qi.shape[2]
-        m = torch.full((b, h, rows, 1), float("-inf"), dtype=qh.dtype, device=q.device)  # running max of S
-        l = torch.zeros((b, h, rows, 1), dtype=qh.dtype, device=q.device)  # running sum of P
-        acc = torch.zeros((b, h, rows, d), dtype=qh.dtype, device=q.device)  # unnormalised O
-        for n0 in range(0, _key_block_end(m0, rows, sq, sk, causal), block_n):
-            s = qi @ kh[:, :, n0:n0 + block_n].transpose(-1, -2)
+    """FlashAttention-2 forward (Algorithm 1; fwd_kernel.h and softmax.h mirror it). Each Q block streams
+    over the K/V blocks it can see, keeping the online-softmax state m, l, acc; the softmax runs in base 2
+    with the scale folded in, as the kernel does (exp2 is one instruction). Returns (out, lse)."""
+    scale = _scale(softmax_scale, q)
+    scale_log2 = scale * LOG2E  # exp(x * scale) == exp2(x * scale_log2)
+    work = torch.promote_types(q.dtype, torch.float32)  # the kernel's accumulators are fp32
+    q_, k_, v_ = (t.to(work) for t in _heads_first(q, k, v))
+    batch, nheads, seqlen_q, head_dim = q_.shape
+    seqlen_k = k_.shape[2]
+    out = q_.new_empty(batch, nheads, seqlen_q, head_dim)
+    lse = q_.new_empty(batch, nheads, seqlen_q)
+    for m0 in range(0, seqlen_q, block_m):  # one thread block (CTA) per Q block
+        rows = torch.arange(m0, min(m0 + block_m, seqlen_q), device=q.device)
+        Q = q_[:, :, m0:m0 + block_m]
+        m = Q.new_full((batch, nheads, len(rows), 1), NEG_INF)  # running row max of S
+        l = Q.new_zeros((batch, nheads, len(rows), 1))  # running row sum of P (under the current m)
+        acc = Q.new_zeros((batch, nheads, len(rows), head_dim))  # running unnormalised O
+        for n0 in range(0, _key_end(m0, block_m, seqlen_q, seqlen_k, causal), block_n):
+            K, V = k_[:, :, n0:n0 + block_n], v_[:, :, n0:n0 + block_n]
+            S = Q @ K.transpose(-1, -2)
             if causal:
-                mask = causal_mask(sq, sk, q.device)[m0:m0 + rows, n0:n0 + block_n]
-                s = s.masked_fill(mask, float("-inf"))
-            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-            m_scaled = torch.where(m_new == float("-inf"), 0.0, m_new * scale_log2)  # all-masked row: no NaN
-            correction = torch.exp2(m * scale_log2 - m_scaled)  # rescale of what was accumulated so far
-            p = torch.exp2(s * scale_log2 - m_scaled)
-            l = l * correction + p.sum(dim=-1, keepdim=True)
-            acc = acc * correction + p.to(vh.dtype) @ vh[:, :, n0:n0 + block_n]
+                cols = torch.arange(n0, n0 + K.shape[2], device=q.device)
+                S = S.masked_fill(~visible(rows, cols, seqlen_q, seqlen_k), NEG_INF)
+            m_new = torch.maximum(m, S.amax(dim=-1, keepdim=True))
+            # A row with every key so far masked has m = -inf: offset by 0 so exp2 gives 0, not NaN.
+            m_scaled = torch.where(torch.isneginf(m_new), 0.0, m_new * scale_log2)
+            P = torch.exp2(S * scale_log2 - m_scaled)
+            correction = torch.exp2(m * scale_log2 - m_scaled)  # rescales l and acc from the old max
+            l = l * correction + P.sum(dim=-1, keepdim=True)
+            acc = acc * correction + P.to(q.dtype).to(work) @ V  # the PV MMA takes P in the input dtype
             m = m_new
-        empty = l == 0
-        out[:, :, m0:m0 + rows] = acc / torch.where(empty, 1.0, l)
-        lse[:, :, m0:m0 + rows] = torch.where(empty, float("-inf"), m * scale + torch.log(l)).squeeze(-1)
+        empty = l == 0  # rows that saw no key
+        out[:, :, m0:m0 + block_m] = acc / torch.where(empty, 1.0, l)
+        lse[:, :, m0:m0 + block_m] = torch.where(empty, NEG_INF, m * scale + torch.log(l)).squeeze(-1)
     return out.transpose(1, 2).to(q.dtype), lse
 
 
 def flash_bwd_tiled(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: Optional[float] = None,
                     block_m: int = 64, block_n: int = 64) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashAttention-2 backward (bwd_kernel.h mirrors this): per key block, walk the query blocks that see it,
-    recompute P from lse, and accumulate dV, dK (per key block) and dQ (across key blocks)."""
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    group = q.shape[2] // k.shape[2]
-    qh, kh, vh = _heads_first(q, k, v)
-    doh, oh = dout.transpose(1, 2), out.transpose(1, 2)
-    b, h, sq, d = qh.shape
-    sk = kh.shape[2]
-    D = (doh * oh).sum(dim=-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
-    lse_safe = torch.where(lse == float("-inf"), float("inf"), lse).unsqueeze(-1)  # empty rows: P = 0
-    dq = torch.zeros_like(qh)
-    dk = torch.zeros_like(kh)
-    dv = torch.zeros_like(vh)
-    for n0 in range(0, sk, block_n):
-        kj, vj = kh[:, :, n0:n0 + block_n], vh[:, :, n0:n0 + block_n]
-        first_row = max(0, n0 - (sk - sq)) if causal else 0  # earlier rows see none of these keys
-        for m0 in range((first_row // block_m) * block_m, sq, block_m):
-            qi, doi = qh[:, :, m0:m0 + block_m], doh[:, :, m0:m0 + block_m]
-            s = qi @ kj.transpose(-1, -2)
+    """FlashAttention-2 backward (bwd_kernel.h mirrors it). P is never stored: each K/V block walks the Q
+    blocks that see it and recomputes P = exp(S * scale - lse) from the forward's lse. dK and dV are
+    finished per K/V block; dQ collects a share from every K/V block. Returns (dq, dk, dv)."""
+    scale = _scale(softmax_scale, q)
+    work = torch.promote_types(q.dtype, torch.float32)
+    q_, k_, v_, dout_, out_ = (t.to(work) for t in _heads_first(q, k, v, dout, out))
+    batch, nheads, seqlen_q, head_dim = q_.shape
+    seqlen_k, nheads_k = k_.shape[2], k.shape[2]
+    D = (dout_ * out_).sum(dim=-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
+    # Rows that saw no key (lse = -inf) get lse = +inf, so P = 0 there rather than NaN.
+    lse = torch.where(torch.isneginf(lse), math.inf, lse).to(work).unsqueeze(-1)
+    dq = torch.zeros_like(q_)  # the kernel's fp32 dq_accum
+    dk = torch.zeros_like(k_)  # one slice per *query* head, summed over GQA groups at the end
+    dv = torch.zeros_like(v_)
+    for n0 in range(0, seqlen_k, block_n):  # one CTA per K/V block
+        cols = torch.arange(n0, min(n0 + block_n, seqlen_k), device=q.device)
+        K, V = k_[:, :, n0:n0 + block_n], v_[:, :, n0:n0 + block_n]
+        # Causal: rows before n0 - (seqlen_k - seqlen_q) see none of these keys; start at their Q block.
+        m_block_begin = max(0, n0 - (seqlen_k - seqlen_q)) // block_m if causal else 0
+        for m0 in range(m_block_begin * block_m, seqlen_q, block_m):
+            rows = torch.arange(m0, min(m0 + block_m, seqlen_q), device=q.device)
+            Q, dO = q_[:, :, m0:m0 + block_m], dout_[:, :, m0:m0 + block_m]
+            S = Q @ K.transpose(-1, -2)
             if causal:
-                s = s.masked_fill(causal_mask(sq, sk, q.device)[m0:m0 + block_m, n0:n0 + block_n], float("-inf"))
-            p = torch.exp(s * scale - lse_safe[:, :, m0:m0 + block_m])  # the forward's probabilities
-            dv[:, :, n0:n0 + block_n] += p.transpose(-1, -2) @ doi
-            dp = doi @ vj.transpose(-1, -2)
-            dS = p * (dp - D[:, :, m0:m0 + block_m])  # gradient w.r.t. the scaled scores
-            dk[:, :, n0:n0 + block_n] += scale * dS.transpose(-1, -2) @ qi
-            dq[:, :, m0:m0 + block_m] += scale * dS @ kj
-    # GQA/MQA: a K/V head's gradient is the sum over the query heads that share it.
-    dk = dk.view(b, h // group, group, sk, d).sum(2)
-    dv = dv.view(b, h // group, group, sk, d).sum(2)
+                S = S.masked_fill(~visible(rows, cols, seqlen_q, seqlen_k), NEG_INF)
+            P = torch.exp(S * scale - lse[:, :, m0:m0 + block_m])  # the forward's probabilities
+            dv[:, :, n0:n0 + block_n] += P.to(q.dtype).to(work).transpose(-1, -2) @ dO
+            dP = dO @ V.transpose(-1, -2)
+            dS = (P * (dP - D[:, :, m0:m0 + block_m])).to(q.dtype).to(work)  # MMA operands: input dtype
+            dk[:, :, n0:n0 + block_n] += dS.transpose(-1, -2) @ Q
+            dq[:, :, m0:m0 + block_m] += dS @ K
+    # d(S * scale) / dS = scale, applied once at the end as the kernel does.
+    dq, dk = dq * scale, dk * scale
+    # GQA/MQA: a K/V head's gradient is the sum over the query heads of its group.
+    dk = dk.view(batch, nheads_k, nheads // nheads_k, seqlen_k, head_dim).sum(2)
+    dv = dv.view(batch, nheads_k, nheads // nheads_k, seqlen_k, head_dim).sum(2)
     return dq.transpose(1, 2).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
