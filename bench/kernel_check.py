@@ -41,7 +41,8 @@ def call_bwd(dout, q, k, v, out, lse, causal, scale, deterministic=False):
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dq = torch.full_like(q, float("nan"))
-    dk = torch.full((b, sk, h, d), float("nan"), device=q.device, dtype=q.dtype)
+    grouped = hk != h  # GQA/MQA: fp32 per-query-head slices, summed over the group, rounded once
+    dk = torch.full((b, sk, h, d), float("nan"), device=q.device, dtype=torch.float32 if grouped else q.dtype)
     dv = torch.full_like(dk, float("nan"))
     dq_accum = torch.empty((b, h, sq, d), device=q.device, dtype=torch.float32)
     d_sum = torch.empty((b, h, sq), device=q.device, dtype=torch.float32)
@@ -52,10 +53,10 @@ def call_bwd(dout, q, k, v, out, lse, causal, scale, deterministic=False):
           dv_stride=strides(dv), batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_k=hk, head_dim=d,
           softmax_scale=scale, causal=causal, deterministic=deterministic,
           dtype="bf16" if q.dtype == torch.bfloat16 else "fp16", device=q.device.index,
-          stream=torch.cuda.current_stream().cuda_stream)
-    if hk != h:
-        dk = dk.view(b, sk, hk, h // hk, d).sum(3)
-        dv = dv.view(b, sk, hk, h // hk, d).sum(3)
+          stream=torch.cuda.current_stream().cuda_stream, dkv_fp32=grouped)
+    if grouped:
+        dk = dk.view(b, sk, hk, h // hk, d).sum(3).to(q.dtype)
+        dv = dv.view(b, sk, hk, h // hk, d).sum(3).to(q.dtype)
     return dq, dk, dv
 
 

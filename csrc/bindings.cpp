@@ -114,7 +114,7 @@ void bwd(uintptr_t dout, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, u
          StrideTuple q_stride, StrideTuple k_stride, StrideTuple v_stride, StrideTuple out_stride,
          StrideTuple dq_stride, StrideTuple dk_stride, StrideTuple dv_stride, int batch, int seqlen_q,
          int seqlen_k, int nheads, int nheads_k, int head_dim, double softmax_scale, bool causal,
-         bool deterministic, const std::string& dtype, int device, uintptr_t stream) {
+         bool deterministic, const std::string& dtype, int device, uintptr_t stream, bool dkv_fp32) {
   fa2::BwdParams p;
   p.q = as_ptr<const void>(q), p.k = as_ptr<const void>(k), p.v = as_ptr<const void>(v);
   p.o = as_ptr<void>(out), p.lse = as_ptr<float>(lse), p.dout = as_ptr<const void>(dout);
@@ -130,6 +130,7 @@ void bwd(uintptr_t dout, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, u
   p.scale_log2 = float(softmax_scale * M_LOG2E);
   p.causal = causal;
   p.deterministic = deterministic;
+  p.dkv_fp32 = dkv_fp32;
   check_sizes(p);
   const DType dt = parse_dtype(dtype);
   const int kernel_dim = pick_head_dim(kBwdInstances, head_dim, dt, "backward");
@@ -195,5 +196,5 @@ PYBIND11_MODULE(_C, m) {
         py::arg("k_stride"), py::arg("v_stride"), py::arg("out_stride"), py::arg("dq_stride"), py::arg("dk_stride"),
         py::arg("dv_stride"), py::arg("batch"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("nheads"),
         py::arg("nheads_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
-        py::arg("deterministic"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+        py::arg("deterministic"), py::arg("dtype"), py::arg("device"), py::arg("stream"), py::arg("dkv_fp32") = false);
 }

@@ -190,6 +190,63 @@ __device__ __forceinline__ void store_acc_tile(TiledMma const& mma, Acc& acc, fl
   store_tile(copy_gmem, tOrO, tOgO, tOcO, max_row, head_dim);
 }
 
+// Add one key block's share of dQ (acc_dq, fp32, MMA layout) into the global accumulator with atomics.
+// Atomics dominate the backward's L2 traffic, so make each one count: where the dQ tile fits in the bytes
+// of sP and sdS (free once the dV/dK/dQ GEMMs are done), re-tile it through shared memory so that each
+// thread adds 4 consecutive floats and a warp covers 512 contiguous bytes (float4 atomics on sm90);
+// otherwise add the MMA's column pairs directly (float2 atomics on sm90).
+template <typename Traits, typename Acc, typename Coord>
+__device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& coord, float* smem_stage,
+                                                float* dq_accum, int row_offset, BwdParams const& p) {
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+  constexpr bool kStaged =
+      2 * Traits::kPdSElems * sizeof(typename Traits::Element) >= kBlockM * kHeadDim * sizeof(float);
+  static_assert(kHeadDim % 32 == 0);
+  const int rows = p.seqlen_q - row_offset;
+  if constexpr (kStaged) {
+    // Stage layout: row-major (kBlockM, kHeadDim) floats, 16-byte chunks XOR-swizzled by row % 8 so the
+    // column-pair writes of 8 rows land in different banks.
+    auto stage_index = [](int r, int c) { return r * kHeadDim + (((c >> 2) ^ (r & 7)) << 2) + (c & 3); };
+    __syncthreads();  // every warp is done reading sP and sdS
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); i += 2) {  // (i, i+1) are columns (c, c+1) of one row
+      const int r = get<0>(coord(i)), c = get<1>(coord(i));
+      *reinterpret_cast<float2*>(smem_stage + stage_index(r, c)) = make_float2(acc_dq(i), acc_dq(i + 1));
+    }
+    __syncthreads();
+    constexpr int kChunksPerRow = kHeadDim / 4;
+    static_assert(kBlockM * kChunksPerRow % Traits::kNThreads == 0);
+    CUTE_UNROLL
+    for (int it = 0; it < kBlockM * kChunksPerRow / Traits::kNThreads; ++it) {
+      const int j = it * Traits::kNThreads + threadIdx.x;
+      const int r = j / kChunksPerRow, c = (j % kChunksPerRow) * 4;
+      if (r < rows && c < p.head_dim) {
+        const float4 v = *reinterpret_cast<const float4*>(smem_stage + stage_index(r, c));
+        float* dst = dq_accum + int64_t(row_offset + r) * p.head_dim + c;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        atomicAdd(reinterpret_cast<float4*>(dst), v);
+#else
+        atomicAdd(dst + 0, v.x), atomicAdd(dst + 1, v.y), atomicAdd(dst + 2, v.z), atomicAdd(dst + 3, v.w);
+#endif
+      }
+    }
+    // The next iteration's first barrier orders these reads before sP / sdS are rewritten.
+  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); i += 2) {
+      const int r = get<0>(coord(i)), c = get<1>(coord(i));
+      if (r < rows && c < p.head_dim) {
+        float* dst = dq_accum + int64_t(row_offset + r) * p.head_dim + c;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc_dq(i), acc_dq(i + 1)));
+#else
+        atomicAdd(dst, acc_dq(i)), atomicAdd(dst + 1, acc_dq(i + 1));
+#endif
+      }
+    }
+  }
+}
+
 // dK, dV (and, unless deterministic, dQ through atomics) for one key block.
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_constant__ BwdParams p) {
@@ -302,11 +359,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
       Tensor acc_dq = partition_fragment_C(mma_dq, BlockQ{});
       clear(acc_dq);
       bwd_dq_tile<Traits>(acc_dq, sdS, sKt);
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); ++i) {
-        const int row = row_offset + get<0>(tdQcdQ(i)), col = get<1>(tdQcdQ(i));
-        if (row < p.seqlen_q && col < p.head_dim) atomicAdd(dq_accum + int64_t(row) * p.head_dim + col, acc_dq(i));
-      }
+      add_dq_to_accum<Traits>(acc_dq, tdQcdQ, reinterpret_cast<float*>(smem.p()), dq_accum, row_offset, p);
     }
 
     if (kStages == 1 && m_block + 1 < m_block_end) {
@@ -321,6 +374,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     return local_tile(head_tensor<kHeadDim, Element>(base, st, batch, head, p.seqlen_k), BlockKV{},
                       make_coord(n_block, 0));
   };
+  if (p.dkv_fp32) {
+    // fp32 slices straight from registers: each thread's column pairs become 8-byte stores.
+    Tensor coord = thr_dkv.partition_C(make_identity_tensor(BlockKV{}));
+    auto store_fp32 = [&](auto& acc, void* base, Strides const& st, float scale) {
+      float* ptr = static_cast<float*>(base) + batch * st.batch + head * st.head + int64_t(col_offset) * st.row;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); i += 2) {  // (i, i+1) are columns (c, c+1) of one row
+        const int r = get<0>(coord(i)), c = get<1>(coord(i));
+        if (r < p.seqlen_k - col_offset && c < p.head_dim) {
+          *reinterpret_cast<float2*>(ptr + r * st.row + c) = make_float2(acc(i) * scale, acc(i + 1) * scale);
+        }
+      }
+    };
+    store_fp32(acc_dk, p.dk, p.dk_stride, p.softmax_scale);
+    store_fp32(acc_dv, p.dv, p.dv_stride, 1.f);
+    return;
+  }
   Tensor gdK = out_tile(p.dk, p.dk_stride);
   Tensor gdV = out_tile(p.dv, p.dv_stride);
   __syncthreads();

@@ -33,6 +33,7 @@ struct BwdParams : FwdParams {
   void* dq = nullptr;
   void* dk = nullptr;  // (batch, seqlen_k, nheads, head_dim): one slice per *query* head;
   void* dv = nullptr;  // the Python layer sums the groups for GQA/MQA
+  bool dkv_fp32 = false;  // dk/dv are float32 (GQA/MQA: the group is summed before rounding once)
   float* dq_accum = nullptr;  // (batch, nheads, seqlen_q, head_dim) fp32 workspace, zeroed by the kernels
   float* d_sum = nullptr;     // D = rowsum(dO * O): (batch, nheads, seqlen_q) fp32 workspace
   Strides dout_stride, dq_stride, dk_stride, dv_stride;
