@@ -2,6 +2,8 @@
 // The kernels are generic over a Traits type; changing a tile shape never touches a mainloop.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
@@ -94,7 +96,7 @@ struct FwdTraits : BaseTraits<kHeadDim_, kNWarps_, kDType> {
 // gets its own warp arrangement so every warp has a 32-row-or-wider slab of its output:
 //   S = Q K^T, dP = dO V^T   (kBlockM x kBlockN):  2 x 4 warps
 //   dV += P^T dO, dK += dS^T Q (kBlockN x head_dim): 4 x 2 warps
-//   dQ = dS K                 (kBlockM x head_dim): 4 x 2 warps
+//   dQ = dS K                 (kBlockM x head_dim): 2 x 4 warps (4 x 2 when head_dim % 64 != 0)
 // P and dS go through shared memory: dV and dK need them transposed (ldmatrix.trans reads them back).
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, DType kDType>
 struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
@@ -110,7 +112,10 @@ struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
 
   using TiledMmaSdP = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>;
   using TiledMmadKV = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
-  using TiledMmadQ = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
+  // 32-row warp slabs read 16 KB of dS/K per warp and tile, 16-row slabs 20 KB (shared memory bandwidth).
+  using TiledMmadQ = std::conditional_t<
+      kHeadDim % 64 == 0, TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>,
+      TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>>;
 
   using SmemLayoutQdO = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
