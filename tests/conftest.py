@@ -1,27 +1,51 @@
+"""Test setup: the `gpu` marker (skipped, with the reason, where there is no GPU or no built extension) and
+a fresh, reproducible seed per test."""
+import zlib
+
 import pytest
 import torch
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and the compiled fa2._C (skipped otherwise)")
+
+
 def _gpu_skip_reason():
     if not torch.cuda.is_available():
-        return "no CUDA device"
+        return "no CUDA GPU (torch.cuda.is_available() is False)"
     try:
         import fa2._C  # noqa: F401
     except ImportError as e:
-        return f"fa2._C is not built ({e})"
+        return f"fa2._C is not built ({e}); run `pip install .`"
     return None
 
 
 def pytest_collection_modifyitems(config, items):
     reason = _gpu_skip_reason()
-    if reason is None:
-        return
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(pytest.mark.skip(reason=reason))
+    if reason is not None:
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)
-def _fresh_seed(request):
-    """A different, reproducible seed per test: fresh random inputs, never zeros."""
-    torch.manual_seed(abs(hash(request.node.nodeid)) % (2**31))
+def _seed(request):
+    """Each test draws its own random inputs (never zeros), from a seed derived from its name: a failure
+    reproduces when the test is re-run alone."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def require_kernel():
+    """require_kernel(kind, head_dim, dtype) skips the test unless this build has a `kind` ("fwd"/"bwd")
+    kernel that serves head_dim (the smallest compiled head dim >= head_dim) for dtype."""
+    import fa2
+
+    def require(kind, head_dim, dtype):
+        info = fa2.build_info()
+        name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+        if name not in info["dtypes"] or not any(d >= head_dim for d in info[f"{kind}_head_dims"]):
+            pytest.skip(f"this build has no {kind} kernel for head_dim {head_dim} / {name} "
+                        f"({info[f'{kind}_head_dims']}, {info['dtypes']})")
+
+    return require

@@ -1,77 +1,238 @@
-"""Bad input gets a clear Python error naming the argument (CPU: shapes and dtypes are checked first)."""
+"""The public API without a GPU: import, build_info, and a clear error for every kind of bad input.
+Shapes, dtypes and strides are checked before the device, so CPU tensors reach every message."""
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import types
+
 import pytest
 import torch
 
 import fa2
 
+BF16 = torch.bfloat16
 
-def _qkv(b=1, sq=16, sk=16, h=4, hk=4, d=64, dtype=torch.bfloat16):
+
+def _qkv(b=1, sq=16, sk=16, h=4, hk=4, d=64, dtype=BF16):
     return (torch.randn(b, sq, h, d, dtype=dtype), torch.randn(b, sk, hk, d, dtype=dtype),
             torch.randn(b, sk, hk, d, dtype=dtype))
 
 
-def test_import_without_gpu_exposes_api():
-    for name in ("fwd", "bwd", "attention", "build_info", "reference", "__version__"):
-        assert hasattr(fa2, name)
-
-
-def test_build_info_keys():
+def _is_built():
     try:
         import fa2._C  # noqa: F401
     except ImportError:
-        pytest.skip("fa2._C not built")
+        return False
+    return True
+
+
+def test_public_api_is_exactly_this():
+    assert sorted(fa2.__all__) == ["__version__", "attention", "build_info", "bwd", "fwd", "reference"]
+    assert callable(fa2.reference.attention_ref) and isinstance(fa2.__version__, str)
+
+
+def test_import_without_extension_fails_only_when_a_kernel_is_needed():
+    # A fresh interpreter where fa2._C cannot be imported (as in a source checkout without a build).
+    code = ("import sys; sys.modules['fa2._C'] = None\n"
+            "import fa2\n"
+            "try:\n    fa2.build_info()\nexcept RuntimeError as e:\n    print(e)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert "not built" in result.stdout and "pip install ." in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(not _is_built(), reason="fa2._C is not built")
+def test_build_info_has_the_documented_keys():
     info = fa2.build_info()
     assert set(info) >= {"version", "cuda_version", "archs", "fwd_head_dims", "bwd_head_dims", "dtypes"}
-    assert info["fwd_head_dims"] and set(info["dtypes"]) <= {"fp16", "bf16"}
+    assert info["version"] == fa2.__version__
+    assert info["fwd_head_dims"] == sorted(info["fwd_head_dims"]) and info["fwd_head_dims"]
+    assert all(d % 8 == 0 and d <= 256 for d in info["fwd_head_dims"] + info["bwd_head_dims"])
+    assert set(info["dtypes"]) <= {"fp16", "bf16"} and all(isinstance(a, int) for a in info["archs"])
 
 
-def test_kernel_without_gpu_raises_clearly():
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
-    q, k, v = _qkv()
-    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
-        fa2.fwd(q, k, v)
-
-
-BAD = [  # (description, mutate(q, k, v) -> (q, k, v), exception, message fragment)
-    ("fp32", lambda q, k, v: (q.float(), k, v), TypeError, "q must be float16 or bfloat16"),
-    ("mixed", lambda q, k, v: (q, k.half(), v), TypeError, "k must be float16 or bfloat16|same dtype"),
-    ("not tensor", lambda q, k, v: (q.tolist(), k, v), TypeError, "q must be a torch.Tensor"),
-    ("rank", lambda q, k, v: (q[0], k, v), ValueError, "q must have 4 dims"),
-    ("batch", lambda q, k, v: (q, k[:0], v), ValueError, "k must be"),
-    ("head_dim", lambda q, k, v: (q, k[..., :32], v[..., :32]), ValueError, "k must be"),
-    ("v shape", lambda q, k, v: (q, k, v[:, :8]), ValueError, "v must have the same shape"),
-    ("nheads", lambda q, k, v: (q, k[:, :, :3], v[:, :, :3]), ValueError, "multiple of nheads"),
-    ("head_dim%8", lambda q, k, v: (q[..., :60], k[..., :60], v[..., :60]), ValueError, "last dimension|multiple of 8"),
-    ("head_dim>256", lambda q, k, v: tuple(torch.randn(1, 4, 1, 264, dtype=torch.bfloat16) for _ in range(3)),
-     ValueError, "head_dim must be a multiple of 8"),
-    ("last dim stride", lambda q, k, v: (q.transpose(2, 3).contiguous().transpose(2, 3), k, v), ValueError,
-     "q must have a contiguous last dimension"),
-    ("cpu", lambda q, k, v: (q, k, v), ValueError, "must be a CUDA tensor"),
+BAD_QKV = [  # (id, make (q, k, v) from good ones, exception, message pattern naming the argument)
+    ("not_a_tensor", lambda q, k, v: (q.tolist(), k, v), TypeError, "q must be a torch.Tensor"),
+    ("fp32", lambda q, k, v: (q.float(), k, v), TypeError, "q must be float16 or bfloat16, got torch.float32"),
+    ("int", lambda q, k, v: (q, k, v.to(torch.int32)), TypeError, "v must be float16 or bfloat16"),
+    ("mixed_dtypes", lambda q, k, v: (q, k.half(), v), TypeError, "q, k and v must have one dtype"),
+    ("rank3", lambda q, k, v: (q[0], k, v), ValueError, "q must be 4-D"),
+    ("rank5", lambda q, k, v: (q, k, v[None]), ValueError, "v must be 4-D"),
+    ("batch", lambda q, k, v: (q, torch.cat([k, k]), torch.cat([v, v])), ValueError, "k must be \\(batch=1"),
+    ("head_dim", lambda q, k, v: (q, k[..., :32], v[..., :32]), ValueError, "k must be .*head_dim=64"),
+    ("v_shape", lambda q, k, v: (q, k, v[:, :8]), ValueError, "v must have the same shape as k"),
+    ("nheads", lambda q, k, v: (q, k[:, :, :3], v[:, :, :3]), ValueError, "nheads \\(4\\) must be a multiple"),
+    ("head_dim_60", lambda q, k, v: (q[..., :60], k[..., :60], v[..., :60]), ValueError,
+     "head_dim .* must be a multiple of 8"),
+    ("head_dim_264", lambda q, k, v: tuple(torch.randn(1, 4, 1, 264, dtype=BF16) for _ in range(3)), ValueError,
+     "head_dim .* must be a multiple of 8 in \\[8, 256\\], got 264"),
+    ("last_dim_strided", lambda q, k, v: (q, k.transpose(1, 3).contiguous().transpose(1, 3), v), ValueError,
+     "k must have a contiguous last dimension"),
+    ("misaligned", lambda q, k, v: (torch.randn(1, 16, 4, 72, dtype=BF16)[..., 4:68], k, v), ValueError,
+     "q must start on a 16-byte boundary"),
+    ("cpu", lambda q, k, v: (q, k, v), ValueError, "q must be a CUDA tensor"),
 ]
 
 
-@pytest.mark.parametrize("desc,mutate,exc,msg", BAD, ids=[b[0] for b in BAD])
-def test_fwd_rejects_bad_input(desc, mutate, exc, msg):
-    q, k, v = mutate(*_qkv())
-    with pytest.raises(exc, match=msg):
+@pytest.mark.parametrize("make,exc,pattern", [b[1:] for b in BAD_QKV], ids=[b[0] for b in BAD_QKV])
+def test_fwd_rejects_bad_inputs(make, exc, pattern):
+    q, k, v = make(*_qkv())
+    with pytest.raises(exc, match=pattern):
         fa2.fwd(q, k, v)
 
 
-def test_fwd_rejects_bad_out_and_scale():
-    q, k, v = _qkv()
-    with pytest.raises(ValueError, match="out must be"):
-        fa2.fwd(q, k, v, out=torch.empty(1, 16, 4, 32, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="out must be"):
-        fa2.fwd(q, k, v, out=torch.empty(1, 16, 4, 64, dtype=torch.float16))
+@pytest.mark.parametrize("make,exc,pattern", [b[1:] for b in BAD_QKV], ids=[b[0] for b in BAD_QKV])
+def test_attention_and_bwd_reject_the_same_inputs(make, exc, pattern):
+    q, k, v = make(*_qkv())
+    with pytest.raises(exc, match=pattern):
+        fa2.attention(q, k, v)
+    good = _qkv()[0]
+    with pytest.raises(exc, match=pattern):
+        fa2.bwd(good, q, k, v, good, torch.empty(1, 4, 16))
 
 
-def test_bwd_rejects_bad_lse_and_grads():
+BAD_OUT = [  # (id, out buffer for q of shape (1, 16, 4, 64) bf16, exception, pattern)
+    ("not_a_tensor", [0.0], TypeError, "out must be a torch.Tensor"),
+    ("dtype", torch.empty(1, 16, 4, 64, dtype=torch.float16), TypeError, "out must be a torch.bfloat16 tensor"),
+    ("shape", torch.empty(1, 16, 4, 32, dtype=BF16), ValueError, "out must have shape \\(1, 16, 4, 64\\)"),
+    ("last_dim_strided", torch.empty(1, 16, 64, 4, dtype=BF16).transpose(2, 3), ValueError,
+     "out must have a contiguous last dimension"),
+]
+
+
+@pytest.mark.parametrize("out,exc,pattern", [b[1:] for b in BAD_OUT], ids=[b[0] for b in BAD_OUT])
+def test_fwd_rejects_bad_out(out, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        fa2.fwd(*_qkv(), out=out)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
+def test_fwd_rejects_bad_softmax_scale(scale):
+    with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
+        fa2.fwd(*_qkv(), softmax_scale=scale)
+
+
+def _bwd_args(**change):
+    q, k, v = _qkv(hk=2)  # GQA: dk/dv are shaped like k, with 2 heads
+    args = dict(dout=torch.randn_like(q), q=q, k=k, v=v, out=torch.randn_like(q), lse=torch.empty(1, 4, 16))
+    args.update(change)
+    return args
+
+
+BAD_BWD = [  # (id, changed arguments, exception, pattern)
+    ("dout_dtype", dict(dout=torch.empty(1, 16, 4, 64)), TypeError, "dout must be a torch.bfloat16 tensor"),
+    ("dout_shape", dict(dout=torch.empty(1, 8, 4, 64, dtype=BF16)), ValueError, "dout must have shape"),
+    ("out_missing", dict(out=None), TypeError, "out must be"),
+    ("out_shape", dict(out=torch.empty(1, 16, 2, 64, dtype=BF16)), ValueError, "out must have shape"),
+    ("lse_dtype", dict(lse=torch.empty(1, 4, 16, dtype=BF16)), TypeError, "lse must be a torch.float32 tensor"),
+    ("lse_shape", dict(lse=torch.empty(1, 16, 4)), ValueError, "lse must have shape \\(1, 4, 16\\)"),
+    ("lse_strided", dict(lse=torch.empty(1, 16, 4).transpose(1, 2)), ValueError, "lse must be contiguous"),
+    ("dq_dtype", dict(dq=torch.empty(1, 16, 4, 64, dtype=torch.float16)), TypeError, "dq must be a torch.bfloat16"),
+    ("dk_shape_of_q", dict(dk=torch.empty(1, 16, 4, 64, dtype=BF16)), ValueError,
+     "dk must have shape \\(1, 16, 2, 64\\)"),
+    ("dv_strided", dict(dv=torch.empty(1, 16, 64, 2, dtype=BF16).transpose(2, 3)), ValueError,
+     "dv must have a contiguous last dimension"),
+    ("cpu", dict(), ValueError, "q must be a CUDA tensor"),
+]
+
+
+@pytest.mark.parametrize("change,exc,pattern", [b[1:] for b in BAD_BWD], ids=[b[0] for b in BAD_BWD])
+def test_bwd_rejects_bad_arguments(change, exc, pattern):
+    args = _bwd_args(**change)
+    positional = [args.pop(name) for name in ("dout", "q", "k", "v", "out", "lse")]
+    with pytest.raises(exc, match=pattern):
+        fa2.bwd(*positional, **args)
+
+
+def test_bwd_accepts_any_dout_strides_before_the_device_check():
+    # A transposed or broadcast dout is copied, not rejected: the first complaint is the CPU device.
+    args = _bwd_args(dout=torch.randn(1, 4, 16, 64, dtype=BF16).transpose(1, 2))
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        fa2.bwd(*args.values())
+    args = _bwd_args(dout=torch.ones(1, 1, 1, 1, dtype=BF16).expand(1, 16, 4, 64))
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        fa2.bwd(*args.values())
+
+
+class _RecordingExtension:
+    """Stands in for fa2._C: records the keyword arguments of each kernel call instead of launching."""
+
+    def __init__(self):
+        self.calls = []
+
+    def fwd(self, **kwargs):
+        self.calls.append(("fwd", kwargs))
+
+    def bwd(self, **kwargs):
+        self.calls.append(("bwd", kwargs))
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    """Run fwd/bwd on CPU tensors past the device checks, with the kernels replaced by a recorder."""
+    ext = _RecordingExtension()
+    monkeypatch.setattr(fa2.interface, "_C", ext)
+    monkeypatch.setattr(fa2.interface, "_check_device_and_build", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=1234))
+    return ext
+
+
+def test_fwd_passes_pointers_strides_and_sizes(recording):
+    q, k, v = torch.randn(2, 40, 3, 4, 64, dtype=BF16).unbind(2)  # strided slices of a packed qkv
+    k, v = k[:, :30, :2], v[:, :30, :2]  # GQA 2:1, seqlen_k 30
+    out, lse = fa2.fwd(q, k, v, causal=True)
+    (kind, args), = recording.calls
+    assert kind == "fwd" and args["q"] == q.data_ptr() and args["out"] == out.data_ptr()
+    assert args["q_stride"] == (40 * 3 * 4 * 64, 3 * 4 * 64, 64) and args["k_stride"] == args["q_stride"]
+    assert args["out_stride"] == (40 * 4 * 64, 4 * 64, 64) and lse.shape == (2, 4, 40) and lse.is_contiguous()
+    assert (args["batch"], args["seqlen_q"], args["seqlen_k"], args["nheads"], args["nheads_k"], args["head_dim"]) \
+        == (2, 40, 30, 4, 2, 64)
+    assert args["softmax_scale"] == 64 ** -0.5 and args["causal"] is True and args["dtype"] == "bf16"
+    assert args["stream"] == 1234
+
+
+def test_bwd_gives_the_kernels_per_query_head_dk_dv(recording):
+    q, k, v = _qkv(h=8, hk=2)
+    out, lse = torch.randn_like(q), torch.zeros(1, 8, 16)
+    dout = torch.randn(1, 16, 64, 8, dtype=BF16).transpose(2, 3)  # last dim not contiguous: copied
+    dq, dk, dv = fa2.bwd(dout, q, k, v, out, lse, softmax_scale=0.5, deterministic=True)
+    (kind, args), = recording.calls
+    assert kind == "bwd" and args["dq"] == dq.data_ptr() and dk.shape == k.shape and dv.shape == v.shape
+    assert args["dk"] != dk.data_ptr() and args["dk_stride"] == (16 * 8 * 64, 8 * 64, 64)  # 8 heads, not 2
+    assert args["dout"] != dout.data_ptr() and args["dout_stride"] == (16 * 8 * 64, 8 * 64, 64)
+    assert args["softmax_scale"] == 0.5 and args["deterministic"] is True and args["causal"] is False
+    assert {"lse", "dq_accum", "d_sum"} <= set(args)
+
+
+def test_bwd_reads_a_heads_first_dout_in_place(recording):
     q, k, v = _qkv()
-    out, dout = torch.randn_like(q), torch.randn_like(q)
-    with pytest.raises(ValueError, match="lse must be"):
-        fa2.bwd(dout, q, k, v, out, torch.empty(1, 4, 15))
-    with pytest.raises(ValueError, match="dk must be"):
-        fa2.bwd(dout, q, k, v, out, torch.empty(1, 4, 16), dk=torch.empty_like(q[:, :, :2]))
-    with pytest.raises(ValueError, match="dout must be"):
-        fa2.bwd(dout[:, :8], q, k, v, out, torch.empty(1, 4, 16))
+    dout = torch.randn(1, 4, 16, 64, dtype=BF16).transpose(1, 2)  # strided, but rows are contiguous
+    fa2.bwd(dout, q, k, v, torch.randn_like(q), torch.zeros(1, 4, 16))
+    (_, args), = recording.calls
+    assert args["dout"] == dout.data_ptr() and args["dout_stride"] == (4 * 16 * 64, 64, 16 * 64)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(0, 16), (16, 0)])
+def test_empty_inputs_launch_no_kernel(recording, seqlen_q, seqlen_k):
+    q, k, v = _qkv(sq=seqlen_q, sk=seqlen_k)
+    out, lse = fa2.fwd(q, k, v)
+    assert out.shape == q.shape and lse.shape == (1, 4, seqlen_q)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    grads = fa2.bwd(torch.randn_like(q), q, k, v, out, lse)
+    assert all(torch.equal(g, torch.zeros_like(t)) for g, t in zip(grads, (q, k, v)))
+    assert recording.calls == []
+
+
+@pytest.mark.skipif(not _is_built(), reason="fa2._C is not built")
+def test_recorded_arguments_are_exactly_the_extension_parameters(recording):
+    import fa2._C as ext
+
+    q, k, v = _qkv(hk=2)
+    out, lse = fa2.fwd(q, k, v)
+    fa2.bwd(torch.randn_like(q), q, k, v, out, lse)
+    for kind, args in recording.calls:
+        signature = getattr(ext, kind).__doc__.splitlines()[0]  # pybind11: "fwd(q: int, k: int, ...) -> None"
+        assert sorted(args) == sorted(re.findall(r"(\w+): ", signature)), kind

@@ -6,8 +6,8 @@ Nothing here reads tensor values on the host (no .item(), no branching on data),
 be wrapped as torch.library custom ops and captured in CUDA graphs."""
 from __future__ import annotations
 
-import functools
 import contextlib
+import functools
 import math
 import os
 from typing import Optional, Tuple
@@ -15,11 +15,14 @@ from typing import Optional, Tuple
 import torch
 
 try:
-    from fa2 import _C
+    import fa2._C as _C
 except ImportError as e:  # a source checkout without a build, or a broken install
     _C, _IMPORT_ERROR = None, e
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+# FA2_NVTX=1: an NVTX range around every kernel launch (fa2.fwd / fa2.bwd), for Nsight timelines and
+# `ncu --nvtx --nvtx-include "fa2.bwd/"`. Off by default: a range costs a few microseconds of host time.
+_NVTX = os.environ.get("FA2_NVTX", "0") not in ("", "0")
 
 
 def _ext():
@@ -57,23 +60,23 @@ def _loadable(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and (aligned or t.numel() == 0)
 
 
-def _check_loadable(name: str, t: torch.Tensor) -> None:
+def _check_loadable(name: str, t: torch.Tensor, fix: str = "") -> None:
+    fix = fix or f"pass {name}.contiguous()"
     if t.stride(-1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}: "
-                         f"pass {name}.contiguous()")
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}: {fix}")
     if not _loadable(t):
         raise ValueError(f"{name} must start on a 16-byte boundary with strides that are multiples of 8 elements, "
-                         f"got strides {t.stride()} (data_ptr % 16 = {t.data_ptr() % 16}): pass {name}.contiguous()")
+                         f"got strides {t.stride()} (data_ptr % 16 = {t.data_ptr() % 16}): {fix}")
 
 
-def _check_qkv(q, k, v) -> None:
-    """Types, shapes and strides of q, k, v; no device needed, so CPU tensors exercise every message."""
+def _check_qkv(q, k, v, softmax_scale) -> None:
+    """q, k, v and the scale, before any device check (so CPU tensors reach every message)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _DTYPE_NAMES:
-            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}: cast it (e.g. {name}.to(torch.bfloat16))"
-                            f", or call fa2.attention inside torch.autocast")
+            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}: cast it (e.g. "
+                            f"{name}.to(torch.bfloat16)), or call fa2.attention inside torch.autocast")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}: cast k and v to "
                         f"q's dtype")
@@ -96,14 +99,18 @@ def _check_qkv(q, k, v) -> None:
                          f"zero-pad q, k and v to a multiple of 8 (and pass softmax_scale for the true head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_loadable(name, t)
+    # The online softmax keeps the max of unscaled scores, which is only the max of scaled ones for scale > 0.
+    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number or None (head_dim ** -0.5), "
+                         f"got {softmax_scale}")
 
 
-def _check_buffer(name: str, t, like: torch.Tensor, like_name: str, *, shape=None) -> None:
-    """An output buffer (or out/dout in bwd): like `like` in dtype and shape, loadable by the kernels."""
+def _check_buffer(name: str, t, like: torch.Tensor, like_name: str) -> None:
+    """An optional buffer (out, dq, dk, dv; or fwd's out in bwd): like `like` in dtype and shape, and loadable."""
     if t is None:
         return
-    _check_tensor(name, t, dtype=like.dtype, shape=like.shape if shape is None else shape, what=f"like {like_name}")
-    _check_loadable(name, t)
+    _check_tensor(name, t, dtype=like.dtype, shape=like.shape, what=f"like {like_name}")
+    _check_loadable(name, t, fix=f"allocate it with torch.empty_like({like_name})")
 
 
 def _check_device_and_build(kind: str, q: torch.Tensor, **tensors) -> None:
@@ -128,14 +135,14 @@ def _check_device_and_build(kind: str, q: torch.Tensor, **tensors) -> None:
                          f"{head_dims}: rebuild with FA2_HEAD_DIMS including one")
 
 
-def _check_fwd(q, k, v, out) -> None:
-    _check_qkv(q, k, v)
+def _check_fwd(q, k, v, out, softmax_scale) -> None:
+    _check_qkv(q, k, v, softmax_scale)
     _check_buffer("out", out, q, "q")
     _check_device_and_build("fwd", q, k=k, v=v, out=out)
 
 
-def _check_bwd(dout, q, k, v, out, lse, dq, dk, dv) -> None:
-    _check_qkv(q, k, v)
+def _check_bwd(dout, q, k, v, out, lse, softmax_scale, dq, dk, dv) -> None:
+    _check_qkv(q, k, v, softmax_scale)
     _check_tensor("dout", dout, dtype=q.dtype, shape=q.shape, what="like q")  # any strides: copied if needed
     if out is None:
         raise TypeError("out must be the output tensor of fwd, got None")
@@ -144,28 +151,21 @@ def _check_bwd(dout, q, k, v, out, lse, dq, dk, dv) -> None:
     _check_tensor("lse", lse, dtype=torch.float32, shape=(batch, nheads, seqlen_q), what="fwd's lse")
     if not lse.is_contiguous():
         raise ValueError(f"lse must be contiguous, got strides {lse.stride()}: pass lse.contiguous()")
-    for name, t, like in (("dq", dq, "q"), ("dk", dk, "k"), ("dv", dv, "v")):
-        _check_buffer(name, t, {"q": q, "k": k, "v": v}[like], like)
+    for name, t, like, like_name in (("dq", dq, q, "q"), ("dk", dk, k, "k"), ("dv", dv, v, "v")):
+        _check_buffer(name, t, like, like_name)
     _check_device_and_build("bwd", q, k=k, v=v, out=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv)
 
 
-def _softmax_scale(softmax_scale: Optional[float], head_dim: int) -> float:
-    if softmax_scale is None:
-        return head_dim ** -0.5
-    scale = float(softmax_scale)
-    if not (math.isfinite(scale) and scale > 0):  # the online softmax takes the max of unscaled scores
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
-    return scale
-
-
 # ----------------------------------------------------------------------------------------------- launch
-def _launch(kernel, q, k, softmax_scale, causal, strided: dict, workspaces: dict, **flags) -> None:
+def _launch(name: str, q, k, softmax_scale, causal, strided: dict, workspaces: dict, **flags) -> None:
     """Call _C.fwd / _C.bwd: pointers, (batch, row, head) strides in elements of the 4-D operands, sizes."""
     batch, seqlen_q, nheads, head_dim = q.shape
+    softmax_scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     args = {name: t.data_ptr() for name, t in {**strided, **workspaces}.items()}
     args.update({f"{name}_stride": tuple(t.stride()[:3]) for name, t in strided.items()})
-    with torch.cuda.device(q.device):
-        kernel(**args, batch=batch, seqlen_q=seqlen_q, seqlen_k=k.shape[1], nheads=nheads, nheads_k=k.shape[2],
+    nvtx = torch.cuda.nvtx.range(f"fa2.{name}") if _NVTX else contextlib.nullcontext()
+    with torch.cuda.device(q.device), nvtx:
+        getattr(_ext(), name)(**args, batch=batch, seqlen_q=seqlen_q, seqlen_k=k.shape[1], nheads=nheads, nheads_k=k.shape[2],
                head_dim=head_dim, softmax_scale=softmax_scale, causal=bool(causal), dtype=_DTYPE_NAMES[q.dtype],
                device=q.device.index, stream=torch.cuda.current_stream(q.device).cuda_stream, **flags)
 
@@ -180,16 +180,15 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Opt
     fp16 or bf16, last dim contiguous, other strides free. softmax_scale defaults to head_dim ** -0.5; causal
     lets query i see key j iff j <= i + seqlen_k - seqlen_q. Returns out (shaped like q; written into `out` if
     given) and lse, float32 (batch, nheads, seqlen_q), the natural-log softmax normaliser."""
-    _check_fwd(q, k, v, out)
+    _check_fwd(q, k, v, out, softmax_scale)
     batch, seqlen_q, nheads, head_dim = q.shape
-    scale = _softmax_scale(softmax_scale, head_dim)
     out = _new(q) if out is None else out
     lse = _new(q, (batch, nheads, seqlen_q), torch.float32)
     if out.numel() == 0:
         return out, lse
     if k.shape[1] == 0:  # no keys: every row is empty
         return out.zero_(), lse.fill_(-math.inf)
-    _launch(_ext().fwd, q, k, scale, causal, dict(q=q, k=k, v=v, out=out), dict(lse=lse))
+    _launch("fwd", q, k, softmax_scale, causal, dict(q=q, k=k, v=v, out=out), dict(lse=lse))
     return out, lse
 
 
@@ -200,27 +199,27 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     """Attention backward from fwd's out and lse (P is recomputed, never stored). dout may have any strides.
     Gradients are written into dq/dk/dv if given. deterministic=True computes dQ without atomics, so it is
     bit-for-bit repeatable (and slower)."""
-    _check_bwd(dout, q, k, v, out, lse, dq, dk, dv)
+    _check_bwd(dout, q, k, v, out, lse, softmax_scale, dq, dk, dv)
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    scale = _softmax_scale(softmax_scale, head_dim)
     dout = dout if _loadable(dout) else dout.contiguous()  # gradients often arrive transposed or broadcast
     dq, dk, dv = (_new(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
     if q.numel() == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    # The kernels write one dK/dV slice per query head; for GQA/MQA the groups are summed below.
+    # The kernels write one dK/dV slice per query head. For GQA/MQA those slices are float32 and the group
+    # is summed before the one rounding to the input dtype (rounding each slice first loses accuracy).
     grouped = nheads != nheads_k
-    dk_heads = _new(q, (batch, seqlen_k, nheads, head_dim)) if grouped else dk
-    dv_heads = _new(q, (batch, seqlen_k, nheads, head_dim)) if grouped else dv
+    dk_heads = _new(q, (batch, seqlen_k, nheads, head_dim), torch.float32) if grouped else dk
+    dv_heads = _new(q, (batch, seqlen_k, nheads, head_dim), torch.float32) if grouped else dv
     dq_accum = _new(q, (batch, nheads, seqlen_q, head_dim), torch.float32)
     d_sum = _new(q, (batch, nheads, seqlen_q), torch.float32)
-    _launch(_ext().bwd, q, k, scale, causal,
+    _launch("bwd", q, k, softmax_scale, causal,
             dict(dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk_heads, dv=dv_heads),
-            dict(lse=lse, dq_accum=dq_accum, d_sum=d_sum), deterministic=bool(deterministic))
+            dict(lse=lse, dq_accum=dq_accum, d_sum=d_sum), deterministic=bool(deterministic), dkv_fp32=grouped)
     if grouped:
         group = nheads // nheads_k
-        torch.sum(dk_heads.view(batch, seqlen_k, nheads_k, group, head_dim), dim=3, out=dk)
-        torch.sum(dv_heads.view(batch, seqlen_k, nheads_k, group, head_dim), dim=3, out=dv)
+        dk.copy_(dk_heads.view(batch, seqlen_k, nheads_k, group, head_dim).sum(dim=3))
+        dv.copy_(dv_heads.view(batch, seqlen_k, nheads_k, group, head_dim).sum(dim=3))
     return dq, dk, dv
 
 

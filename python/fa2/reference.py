@@ -47,13 +47,13 @@ def attention_ref(q, k, v, *, causal: bool = False, softmax_scale: Optional[floa
     scale = _scale(softmax_scale, q)
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     q_, k_, v_ = (t.to(dtype) if upcast else t for t in _heads_first(q, k, v))
-    s = (q_ @ k_.transpose(-1, -2)) * scale
+    S = (q_ @ k_.transpose(-1, -2)) * scale  # here S is already scaled
     if causal:
         rows, cols = torch.arange(seqlen_q, device=q.device), torch.arange(seqlen_k, device=q.device)
-        s = s.masked_fill(~visible(rows, cols, seqlen_q, seqlen_k), NEG_INF)
-    lse = torch.logsumexp(s.to(torch.promote_types(s.dtype, torch.float32)), dim=-1)
-    p = torch.softmax(s, dim=-1).masked_fill(torch.isneginf(lse)[..., None], 0.0)  # no visible key: P = 0
-    return (p @ v_).transpose(1, 2).to(q.dtype), lse
+        S = S.masked_fill(~visible(rows, cols, seqlen_q, seqlen_k), NEG_INF)
+    lse = torch.logsumexp(S.to(torch.promote_types(S.dtype, torch.float32)), dim=-1)
+    P = torch.softmax(S, dim=-1).masked_fill(torch.isneginf(lse)[..., None], 0.0)  # no visible key: P = 0
+    return (P @ v_).transpose(1, 2).to(q.dtype), lse
 
 
 def _key_end(m0: int, block_m: int, seqlen_q: int, seqlen_k: int, causal: bool) -> int:
