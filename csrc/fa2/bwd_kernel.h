@@ -191,15 +191,22 @@ __device__ __forceinline__ void store_acc_tile(TiledMma const& mma, Acc& acc, fl
 }
 
 // Add one key block's share of dQ (acc_dq, fp32, MMA layout) into the global accumulator with atomics.
-// Atomics dominate the backward's L2 traffic, so make each one count: where the dQ tile fits in the bytes
-// of sP and sdS (free once the dV/dK/dQ GEMMs are done), re-tile it through shared memory so that each
-// thread adds 4 consecutive floats and a warp covers 512 contiguous bytes (float4 atomics on sm90);
-// otherwise add the MMA's column pairs directly (float2 atomics on sm90).
+// Scalar atomics on the MMA layout touch half-used sectors and made the backward L2-bound. Two better
+// ways: re-tile dQ through the bytes of sP and sdS (free once the GEMMs are done) so each thread adds 4
+// consecutive floats (float4 atomics on sm90, coalesced scalars on sm80); or, on sm90, add the MMA's
+// column pairs directly as float2 atomics (4 threads fill a 32-byte sector).
 template <typename Traits, typename Acc, typename Coord>
 __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& coord, float* smem_stage,
                                                 float* dq_accum, int row_offset, BwdParams const& p) {
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
-  constexpr bool kStaged =
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kVectorAtomics = true;  // red.global.add.v2/v4.f32
+#else
+  constexpr bool kVectorAtomics = false;
+#endif
+  // Measured on the H100 (bench/NOTES.md): staging wins for head_dim 64, direct float2 atomics (which
+  // already fill whole 32-byte sectors) win for 128, where the staging's barriers and smem traffic cost more.
+  constexpr bool kStaged = (!kVectorAtomics || kHeadDim <= 64) &&
       2 * Traits::kPdSElems * sizeof(typename Traits::Element) >= kBlockM * kHeadDim * sizeof(float);
   static_assert(kHeadDim % 32 == 0);
   const int rows = p.seqlen_q - row_offset;
