@@ -83,11 +83,11 @@ int pick_head_dim(const std::vector<Instance>& instances, int head_dim, DType dt
   return best;
 }
 
-void fwd(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, StrideTuple q_stride,
-         StrideTuple k_stride, StrideTuple v_stride, StrideTuple out_stride, int batch, int seqlen_q, int seqlen_k,
-         int nheads, int nheads_k, int head_dim, double softmax_scale, bool causal, const std::string& dtype,
-         int device, uintptr_t stream) {
-  fa2::FwdParams p;
+// The forward's fields, shared by both entry points (BwdParams extends FwdParams).
+void fill_common(fa2::FwdParams& p, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse,
+                 const StrideTuple& q_stride, const StrideTuple& k_stride, const StrideTuple& v_stride,
+                 const StrideTuple& out_stride, int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_k,
+                 int head_dim, double softmax_scale, bool causal) {
   p.q = as_ptr<const void>(q), p.k = as_ptr<const void>(k), p.v = as_ptr<const void>(v);
   p.o = as_ptr<void>(out), p.lse = as_ptr<float>(lse);
   p.q_stride = to_strides(q_stride), p.k_stride = to_strides(k_stride);
@@ -98,6 +98,15 @@ void fwd(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, St
   p.scale_log2 = float(softmax_scale * M_LOG2E);
   p.causal = causal;
   check_sizes(p);
+}
+
+void fwd(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, StrideTuple q_stride,
+         StrideTuple k_stride, StrideTuple v_stride, StrideTuple out_stride, int batch, int seqlen_q, int seqlen_k,
+         int nheads, int nheads_k, int head_dim, double softmax_scale, bool causal, const std::string& dtype,
+         int device, uintptr_t stream) {
+  fa2::FwdParams p;
+  fill_common(p, q, k, v, out, lse, q_stride, k_stride, v_stride, out_stride, batch, seqlen_q, seqlen_k, nheads,
+              nheads_k, head_dim, softmax_scale, causal);
   const DType dt = parse_dtype(dtype);
   const int kernel_dim = pick_head_dim(kFwdInstances, head_dim, dt, "forward");
   check_device(device);
@@ -116,22 +125,15 @@ void bwd(uintptr_t dout, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, u
          int seqlen_k, int nheads, int nheads_k, int head_dim, double softmax_scale, bool causal,
          bool deterministic, const std::string& dtype, int device, uintptr_t stream, bool dkv_fp32) {
   fa2::BwdParams p;
-  p.q = as_ptr<const void>(q), p.k = as_ptr<const void>(k), p.v = as_ptr<const void>(v);
-  p.o = as_ptr<void>(out), p.lse = as_ptr<float>(lse), p.dout = as_ptr<const void>(dout);
+  fill_common(p, q, k, v, out, lse, q_stride, k_stride, v_stride, out_stride, batch, seqlen_q, seqlen_k, nheads,
+              nheads_k, head_dim, softmax_scale, causal);
+  p.dout = as_ptr<const void>(dout);
   p.dq = as_ptr<void>(dq), p.dk = as_ptr<void>(dk), p.dv = as_ptr<void>(dv);
   p.dq_accum = as_ptr<float>(dq_accum), p.d_sum = as_ptr<float>(d_sum);
-  p.q_stride = to_strides(q_stride), p.k_stride = to_strides(k_stride);
-  p.v_stride = to_strides(v_stride), p.o_stride = to_strides(out_stride);
   p.dout_stride = to_strides(dout_stride), p.dq_stride = to_strides(dq_stride);
   p.dk_stride = to_strides(dk_stride), p.dv_stride = to_strides(dv_stride);
-  p.batch = batch, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
-  p.nheads = nheads, p.nheads_k = nheads_k, p.head_dim = head_dim;
-  p.softmax_scale = float(softmax_scale);
-  p.scale_log2 = float(softmax_scale * M_LOG2E);
-  p.causal = causal;
   p.deterministic = deterministic;
   p.dkv_fp32 = dkv_fp32;
-  check_sizes(p);
   const DType dt = parse_dtype(dtype);
   const int kernel_dim = pick_head_dim(kBwdInstances, head_dim, dt, "backward");
   check_device(device);
