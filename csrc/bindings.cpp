@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -36,8 +37,15 @@ void require(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument("fa2: " + msg);
 }
 
-// The launch runs on the current device; refuse anything that could not execute there.
+// The launch runs on the current device; refuse anything that could not execute there. The device's
+// properties are checked once (driver calls cost host time on every launch); the current device every time.
 void check_device(int device) {
+  static std::atomic<uint64_t> checked{0};
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t(1) << device : 0;
+  if (checked.load(std::memory_order_relaxed) & bit) {
+    int current = -1;
+    if (cudaGetDevice(&current) == cudaSuccess && current == device) return;
+  }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     cudaGetLastError();
@@ -52,10 +60,15 @@ void check_device(int device) {
   int major = 0;
   fa2::check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
   if (major < 8) throw std::runtime_error("fa2: needs an sm80+ GPU (Ampere or newer)");
+  checked.fetch_or(bit, std::memory_order_relaxed);
 }
 
 void check_sizes(const fa2::FwdParams& p) {
   require(p.batch >= 1 && p.seqlen_q >= 1 && p.seqlen_k >= 1, "batch, seqlen_q and seqlen_k must be >= 1");
+  require((p.cu_seqlens_q == nullptr) == (p.cu_seqlens_k == nullptr), "pass both cu_seqlens_q and cu_seqlens_k, or neither");
+  require(p.cu_seqlens_q == nullptr || (p.total_q >= 0 && p.total_k >= 0 && p.q_stride.batch == 0 && p.o_stride.batch == 0 &&
+                                        p.k_stride.batch == 0 && p.v_stride.batch == 0),
+          "varlen: total_q/total_k must be >= 0 and the batch strides 0");
   require(p.batch <= 65535, "batch must be <= 65535");
   require(p.nheads >= 1 && p.nheads_k >= 1 && p.nheads % p.nheads_k == 0 && p.nheads <= 65535,
           "nheads must be a positive multiple of nheads_k (and <= 65535)");
@@ -87,7 +100,8 @@ int pick_head_dim(const std::vector<Instance>& instances, int head_dim, DType dt
 void fill_common(fa2::FwdParams& p, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse,
                  const StrideTuple& q_stride, const StrideTuple& k_stride, const StrideTuple& v_stride,
                  const StrideTuple& out_stride, int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_k,
-                 int head_dim, double softmax_scale, bool causal) {
+                 int head_dim, double softmax_scale, bool causal, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k,
+                 int total_q, int total_k) {
   p.q = as_ptr<const void>(q), p.k = as_ptr<const void>(k), p.v = as_ptr<const void>(v);
   p.o = as_ptr<void>(out), p.lse = as_ptr<float>(lse);
   p.q_stride = to_strides(q_stride), p.k_stride = to_strides(k_stride);
@@ -97,16 +111,18 @@ void fill_common(fa2::FwdParams& p, uintptr_t q, uintptr_t k, uintptr_t v, uintp
   p.softmax_scale = float(softmax_scale);
   p.scale_log2 = float(softmax_scale * M_LOG2E);
   p.causal = causal;
+  p.cu_seqlens_q = as_ptr<const int>(cu_seqlens_q), p.cu_seqlens_k = as_ptr<const int>(cu_seqlens_k);
+  p.total_q = total_q, p.total_k = total_k;
   check_sizes(p);
 }
 
 void fwd(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, StrideTuple q_stride,
          StrideTuple k_stride, StrideTuple v_stride, StrideTuple out_stride, int batch, int seqlen_q, int seqlen_k,
          int nheads, int nheads_k, int head_dim, double softmax_scale, bool causal, const std::string& dtype,
-         int device, uintptr_t stream) {
+         int device, uintptr_t stream, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k) {
   fa2::FwdParams p;
   fill_common(p, q, k, v, out, lse, q_stride, k_stride, v_stride, out_stride, batch, seqlen_q, seqlen_k, nheads,
-              nheads_k, head_dim, softmax_scale, causal);
+              nheads_k, head_dim, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, total_q, total_k);
   const DType dt = parse_dtype(dtype);
   const int kernel_dim = pick_head_dim(kFwdInstances, head_dim, dt, "forward");
   check_device(device);
@@ -123,10 +139,11 @@ void bwd(uintptr_t dout, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, u
          StrideTuple q_stride, StrideTuple k_stride, StrideTuple v_stride, StrideTuple out_stride,
          StrideTuple dq_stride, StrideTuple dk_stride, StrideTuple dv_stride, int batch, int seqlen_q,
          int seqlen_k, int nheads, int nheads_k, int head_dim, double softmax_scale, bool causal,
-         bool deterministic, const std::string& dtype, int device, uintptr_t stream, bool dkv_fp32) {
+         bool deterministic, const std::string& dtype, int device, uintptr_t stream, bool dkv_fp32,
+         uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k) {
   fa2::BwdParams p;
   fill_common(p, q, k, v, out, lse, q_stride, k_stride, v_stride, out_stride, batch, seqlen_q, seqlen_k, nheads,
-              nheads_k, head_dim, softmax_scale, causal);
+              nheads_k, head_dim, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, total_q, total_k);
   p.dout = as_ptr<const void>(dout);
   p.dq = as_ptr<void>(dq), p.dk = as_ptr<void>(dk), p.dv = as_ptr<void>(dv);
   p.dq_accum = as_ptr<float>(dq_accum), p.d_sum = as_ptr<float>(d_sum);
@@ -134,6 +151,9 @@ void bwd(uintptr_t dout, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, u
   p.dk_stride = to_strides(dk_stride), p.dv_stride = to_strides(dv_stride);
   p.deterministic = deterministic;
   p.dkv_fp32 = dkv_fp32;
+  require(p.cu_seqlens_q == nullptr || (p.dout_stride.batch == 0 && p.dq_stride.batch == 0 && p.dk_stride.batch == 0 &&
+                                        p.dv_stride.batch == 0),
+          "varlen: the batch strides must be 0");
   const DType dt = parse_dtype(dtype);
   const int kernel_dim = pick_head_dim(kBwdInstances, head_dim, dt, "backward");
   check_device(device);
@@ -191,12 +211,14 @@ PYBIND11_MODULE(_C, m) {
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"),
         py::arg("out_stride"), py::arg("batch"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("nheads"),
         py::arg("nheads_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"), py::arg("dtype"),
-        py::arg("device"), py::arg("stream"));
+        py::arg("device"), py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0,
+        py::arg("total_q") = 0, py::arg("total_k") = 0);
   m.def("bwd", &bwd, "Attention backward on raw device pointers (see csrc/CONTRACT.md).", py::arg("dout"),
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"),
         py::arg("dv"), py::arg("dq_accum"), py::arg("d_sum"), py::arg("dout_stride"), py::arg("q_stride"),
         py::arg("k_stride"), py::arg("v_stride"), py::arg("out_stride"), py::arg("dq_stride"), py::arg("dk_stride"),
         py::arg("dv_stride"), py::arg("batch"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("nheads"),
         py::arg("nheads_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
-        py::arg("deterministic"), py::arg("dtype"), py::arg("device"), py::arg("stream"), py::arg("dkv_fp32") = false);
+        py::arg("deterministic"), py::arg("dtype"), py::arg("device"), py::arg("stream"), py::arg("dkv_fp32") = false,
+        py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0, py::arg("total_k") = 0);
 }

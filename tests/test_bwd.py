@@ -31,10 +31,12 @@ def randn(*shape, dtype=torch.bfloat16, **kw):
 
 
 def ref_grads(q, k, v, dout, causal, upcast):
-    """Gradients of attention_ref: in fp64 (upcast) or in the inputs' own precision."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    """Gradients of attention_ref: in fp64 (upcast) or in the inputs' own precision. The fp64 reference
+    differentiates fp64 leaves: gradients of bf16/fp16 leaves would be rounded to that dtype on the way out."""
+    cast = (lambda t: t.double()) if upcast else (lambda t: t)
+    q, k, v = (cast(t).detach().clone().requires_grad_() for t in (q, k, v))
     out, _ = attention_ref(q, k, v, causal=causal, upcast=upcast)
-    return torch.autograd.grad(out, (q, k, v), dout)
+    return torch.autograd.grad(out, (q, k, v), cast(dout))
 
 
 def check_grads(got, q, k, v, dout, causal, tag, names=("dq", "dk", "dv")):

@@ -13,6 +13,7 @@
 
 #include "fa2/mask.h"
 #include "fa2/params.h"
+#include "fa2/seqlen.h"
 #include "fa2/utils.h"
 
 namespace fa2 {
@@ -24,11 +25,10 @@ __global__ void bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.x * (blockDim.x / 32) + warp;
   const int head = blockIdx.y, batch = blockIdx.z;
-  if (row >= p.seqlen_q) return;
-  const Element* dout = static_cast<const Element*>(p.dout) + batch * p.dout_stride.batch +
-                        head * p.dout_stride.head + row * p.dout_stride.row;
-  const Element* out = static_cast<const Element*>(p.o) + batch * p.o_stride.batch + head * p.o_stride.head +
-                       row * p.o_stride.row;
+  const SeqInfo seq(p, batch, head);
+  if (row >= seq.seqlen_q) return;
+  const Element* dout = &seq.q_tensor<8, const Element>(p.dout, p.dout_stride, batch, head)(row, 0);
+  const Element* out = &seq.q_tensor<8, const Element>(p.o, p.o_stride, batch, head)(row, 0);
   float dot = 0.f;
   for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
     const uint4 a = *reinterpret_cast<const uint4*>(dout + c);
@@ -40,7 +40,7 @@ __global__ void bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
   }
   CUTE_UNROLL
   for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffff, dot, offset);
-  const int64_t bh_row = (int64_t(batch) * p.nheads + head) * p.seqlen_q + row;
+  const int64_t bh_row = seq.stats_row + row;
   if (lane == 0) p.d_sum[bh_row] = dot;
   if (p.deterministic) return;  // dQ comes from bwd_dq_kernel; the accumulator is unused
   float* dq_accum = p.dq_accum + bh_row * p.head_dim;
@@ -52,10 +52,10 @@ __global__ void bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.x * (blockDim.x / 32) + warp;
   const int head = blockIdx.y, batch = blockIdx.z;
-  if (row >= p.seqlen_q) return;
-  const float* acc = p.dq_accum + ((int64_t(batch) * p.nheads + head) * p.seqlen_q + row) * p.head_dim;
-  Element* dq = static_cast<Element*>(p.dq) + batch * p.dq_stride.batch + head * p.dq_stride.head +
-                row * p.dq_stride.row;
+  const SeqInfo seq(p, batch, head);
+  if (row >= seq.seqlen_q) return;
+  const float* acc = p.dq_accum + (seq.stats_row + row) * p.head_dim;
+  Element* dq = &seq.q_tensor<8, Element>(p.dq, p.dq_stride, batch, head)(row, 0);
   for (int c = lane * 4; c < p.head_dim; c += 32 * 4) {
     const float4 a = *reinterpret_cast<const float4*>(acc + c);
     dq[c + 0] = Element(a.x * p.softmax_scale);
@@ -94,7 +94,8 @@ __device__ __forceinline__ auto fragment_shape() {
 template <typename Traits, typename SmemQ, typename SmemKV, typename SmemPdS>
 __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, SmemQ const& sdO, SmemKV const& sK,
                                          SmemKV const& sV, SmemPdS& sP, SmemPdS& sdS, const float* lse,
-                                         const float* d_sum, int row_offset, int col_offset) {
+                                         const float* d_sum, int row_offset, int col_offset, int seqlen_q,
+                                         int seqlen_k) {
   using Element = typename Traits::Element;
   using BlockS = Shape<Int<Traits::kBlockM>, Int<Traits::kBlockN>>;
   const int tid = threadIdx.x;
@@ -116,17 +117,17 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; ++mi) {
     const int row = row_offset + get<0>(c(mi, 0));
-    const float l = row < p.seqlen_q ? lse[row] : INFINITY;
+    const float l = row < seqlen_q ? lse[row] : INFINITY;
     lse_log2[mi] = l == -INFINITY ? INFINITY : l * float(M_LOG2E);
-    d_row[mi] = row < p.seqlen_q ? d_sum[row] : 0.f;
+    d_row[mi] = row < seqlen_q ? d_sum[row] : 0.f;
   }
 
   Tensor acc_s = partition_fragment_C(mma, BlockS{});
   clear(acc_s);
   gemm_ss(mma, acc_s, tSrQ, tSrK, thr_a.partition_S(sQ), thr_b.partition_S(sK), copy_a, copy_b, thr_a, thr_b);
-  const int diagonal = p.seqlen_k - p.seqlen_q;
-  if (col_offset + Traits::kBlockN > p.seqlen_k || (p.causal && col_offset + Traits::kBlockN - 1 > row_offset + diagonal)) {
-    apply_mask(acc_s, tScS, row_offset, col_offset, p.seqlen_q, p.seqlen_k, p.causal);
+  const int diagonal = seqlen_k - seqlen_q;
+  if (col_offset + Traits::kBlockN > seqlen_k || (p.causal && col_offset + Traits::kBlockN - 1 > row_offset + diagonal)) {
+    apply_mask(acc_s, tScS, row_offset, col_offset, seqlen_q, seqlen_k, p.causal);
   }
   Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
   CUTE_UNROLL
@@ -197,7 +198,8 @@ __device__ __forceinline__ void store_acc_tile(TiledMma const& mma, Acc& acc, fl
 // column pairs directly as float2 atomics (4 threads fill a 32-byte sector).
 template <typename Traits, typename Acc, typename Coord>
 __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& coord, float* smem_stage,
-                                                float* dq_accum, int row_offset, BwdParams const& p) {
+                                                float* dq_accum, int row_offset, int seqlen_q,
+                                                BwdParams const& p) {
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kVectorAtomics = true;  // red.global.add.v2/v4.f32
@@ -209,7 +211,7 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
   constexpr bool kStaged = (!kVectorAtomics || kHeadDim <= 64) &&
       2 * Traits::kPdSElems * sizeof(typename Traits::Element) >= kBlockM * kHeadDim * sizeof(float);
   static_assert(kHeadDim % 32 == 0);
-  const int rows = p.seqlen_q - row_offset;
+  const int rows = seqlen_q - row_offset;
   if constexpr (kStaged) {
     // Stage layout: row-major (kBlockM, kHeadDim) floats, 16-byte chunks XOR-swizzled by row % 8 so the
     // column-pair writes of 8 rows land in different banks.
@@ -269,22 +271,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   const int head_kv = head / (p.nheads / p.nheads_k);
   const int tid = threadIdx.x;
   const int col_offset = n_block * kBlockN;
+  const SeqInfo seq(p, batch, head);
+  if (col_offset >= seq.seqlen_k) return;  // varlen: the grid is sized for the longest sequence
   // Query blocks that see at least one key of this block (causal: rows i >= col_offset - diagonal).
-  const int m_block_begin = p.causal ? max(0, col_offset - (p.seqlen_k - p.seqlen_q)) / kBlockM : 0;
-  const int m_block_end = ceil_div(p.seqlen_q, kBlockM);
+  const int m_block_begin = p.causal ? max(0, col_offset - (seq.seqlen_k - seq.seqlen_q)) / kBlockM : 0;
+  const int m_block_end = ceil_div(seq.seqlen_q, kBlockM);
 
-  Tensor gQ = local_tile(head_tensor<kHeadDim, const Element>(p.q, p.q_stride, batch, head, p.seqlen_q), BlockQ{},
+  Tensor gQ = local_tile(seq.q_tensor<kHeadDim, const Element>(p.q, p.q_stride, batch, head), BlockQ{},
                          make_coord(_, 0));  // (kBlockM, kHeadDim, m_blocks)
-  Tensor gdO = local_tile(head_tensor<kHeadDim, const Element>(p.dout, p.dout_stride, batch, head, p.seqlen_q),
-                          BlockQ{}, make_coord(_, 0));
-  Tensor gK = local_tile(head_tensor<kHeadDim, const Element>(p.k, p.k_stride, batch, head_kv, p.seqlen_k),
-                         BlockKV{}, make_coord(n_block, 0));
-  Tensor gV = local_tile(head_tensor<kHeadDim, const Element>(p.v, p.v_stride, batch, head_kv, p.seqlen_k),
-                         BlockKV{}, make_coord(n_block, 0));
-  const int64_t bh = int64_t(batch) * p.nheads + head;
-  const float* lse = p.lse + bh * p.seqlen_q;
-  const float* d_sum = p.d_sum + bh * p.seqlen_q;
-  float* dq_accum = p.dq_accum + bh * p.seqlen_q * p.head_dim;
+  Tensor gdO = local_tile(seq.q_tensor<kHeadDim, const Element>(p.dout, p.dout_stride, batch, head), BlockQ{},
+                          make_coord(_, 0));
+  Tensor gK = local_tile(seq.k_tensor<kHeadDim, const Element>(p.k, p.k_stride, batch, head_kv), BlockKV{},
+                         make_coord(n_block, 0));
+  Tensor gV = local_tile(seq.k_tensor<kHeadDim, const Element>(p.v, p.v_stride, batch, head_kv), BlockKV{},
+                         make_coord(n_block, 0));
+  const float* lse = p.lse + seq.stats_row;
+  const float* d_sum = p.d_sum + seq.stats_row;
+  float* dq_accum = p.dq_accum + seq.stats_row * p.head_dim;
 
   extern __shared__ char smem_raw[];
   BwdSmem<Traits> smem(smem_raw);
@@ -303,7 +306,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(BlockQ{}));
   Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(BlockKV{}));
   auto load_q_do = [&](int m_block, int stage) {
-    const int rows = p.seqlen_q - m_block * kBlockM;
+    const int rows = seq.seqlen_q - m_block * kBlockM;
     Tensor tQsQ = gmem_thr.partition_D(smem.tensor(smem.q(stage), typename Traits::SmemLayoutQdO{}));
     Tensor tQsdO = gmem_thr.partition_D(smem.tensor(smem.dout(stage), typename Traits::SmemLayoutQdO{}));
     copy_tile<true>(gmem_copy, tQgQ(_, _, _, m_block), tQsQ, tQcQ, rows, p.head_dim);
@@ -330,9 +333,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   Tensor tdQcdQ = mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(BlockQ{}));
 
   if (m_block_begin < m_block_end) {
-    copy_tile<true>(gmem_copy, gmem_thr.partition_S(gK), gmem_thr.partition_D(sK), tKcK, p.seqlen_k - col_offset,
+    copy_tile<true>(gmem_copy, gmem_thr.partition_S(gK), gmem_thr.partition_D(sK), tKcK, seq.seqlen_k - col_offset,
                     p.head_dim);
-    copy_tile<true>(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKcK, p.seqlen_k - col_offset,
+    copy_tile<true>(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKcK, seq.seqlen_k - col_offset,
                     p.head_dim);
     load_q_do(m_block_begin, 0);
     cp_async_fence();
@@ -353,7 +356,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
       cp_async_fence();
     }
 
-    bwd_p_ds<Traits>(p, sQ, sdO, sK, sV, sP, sdS, lse, d_sum, row_offset, col_offset);
+    bwd_p_ds<Traits>(p, sQ, sdO, sK, sV, sP, sdS, lse, d_sum, row_offset, col_offset, seq.seqlen_q, seq.seqlen_k);
     __syncthreads();  // sP and sdS complete: every warp reads all of them below
 
     gemm_ss(mma_dkv, acc_dv, tdKVrA, tdKVrB, tdVsPt, thr_b_dkv.partition_S(sdOt), copy_a_dkv, copy_b_dkv, thr_a_dkv,
@@ -366,7 +369,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
       Tensor acc_dq = partition_fragment_C(mma_dq, BlockQ{});
       clear(acc_dq);
       bwd_dq_tile<Traits>(acc_dq, sdS, sKt);
-      add_dq_to_accum<Traits>(acc_dq, tdQcdQ, reinterpret_cast<float*>(smem.p()), dq_accum, row_offset, p);
+      add_dq_to_accum<Traits>(acc_dq, tdQcdQ, reinterpret_cast<float*>(smem.p()), dq_accum, row_offset,
+                              seq.seqlen_q, p);
     }
 
     if (kStages == 1 && m_block + 1 < m_block_end) {
@@ -378,18 +382,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
 
   // dK = softmax_scale * dS^T Q and dV, staged through sK / sV (free once every warp is past the loop).
   auto out_tile = [&](void* base, Strides const& st) {
-    return local_tile(head_tensor<kHeadDim, Element>(base, st, batch, head, p.seqlen_k), BlockKV{},
-                      make_coord(n_block, 0));
+    return local_tile(seq.k_tensor<kHeadDim, Element>(base, st, batch, head), BlockKV{}, make_coord(n_block, 0));
   };
   if (p.dkv_fp32) {
     // fp32 slices straight from registers: each thread's column pairs become 8-byte stores.
     Tensor coord = thr_dkv.partition_C(make_identity_tensor(BlockKV{}));
     auto store_fp32 = [&](auto& acc, void* base, Strides const& st, float scale) {
-      float* ptr = static_cast<float*>(base) + batch * st.batch + head * st.head + int64_t(col_offset) * st.row;
+      float* ptr = &seq.k_tensor<kHeadDim, float>(base, st, batch, head)(col_offset, 0);
       CUTE_UNROLL
       for (int i = 0; i < size(acc); i += 2) {  // (i, i+1) are columns (c, c+1) of one row
         const int r = get<0>(coord(i)), c = get<1>(coord(i));
-        if (r < p.seqlen_k - col_offset && c < p.head_dim) {
+        if (r < seq.seqlen_k - col_offset && c < p.head_dim) {
           *reinterpret_cast<float2*>(ptr + r * st.row + c) = make_float2(acc(i) * scale, acc(i + 1) * scale);
         }
       }
@@ -401,8 +404,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   Tensor gdK = out_tile(p.dk, p.dk_stride);
   Tensor gdV = out_tile(p.dv, p.dv_stride);
   __syncthreads();
-  store_acc_tile<Traits>(mma_dkv, acc_dk, p.softmax_scale, sK, gdK, p.seqlen_k - col_offset, p.head_dim);
-  store_acc_tile<Traits>(mma_dkv, acc_dv, 1.f, sV, gdV, p.seqlen_k - col_offset, p.head_dim);
+  store_acc_tile<Traits>(mma_dkv, acc_dk, p.softmax_scale, sK, gdK, seq.seqlen_k - col_offset, p.head_dim);
+  store_acc_tile<Traits>(mma_dkv, acc_dv, 1.f, sV, gdV, seq.seqlen_k - col_offset, p.head_dim);
 }
 
 // Deterministic dQ: one query block per CTA, key blocks visited in a fixed order, no atomics.
@@ -419,17 +422,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const __gr
   const int head_kv = head / (p.nheads / p.nheads_k);
   const int tid = threadIdx.x;
   const int row_offset = m_block * kBlockM;
-  const int n_block_end = key_block_end<kBlockM, kBlockN>(m_block, p.seqlen_q, p.seqlen_k, p.causal);
+  const SeqInfo seq(p, batch, head);
+  if (row_offset >= seq.seqlen_q) return;
+  const int n_block_end = key_block_end<kBlockM, kBlockN>(m_block, seq.seqlen_q, seq.seqlen_k, p.causal);
 
-  Tensor gQ = local_tile(head_tensor<kHeadDim, const Element>(p.q, p.q_stride, batch, head, p.seqlen_q), BlockQ{},
+  Tensor gQ = local_tile(seq.q_tensor<kHeadDim, const Element>(p.q, p.q_stride, batch, head), BlockQ{},
                          make_coord(m_block, 0));
-  Tensor gdO = local_tile(head_tensor<kHeadDim, const Element>(p.dout, p.dout_stride, batch, head, p.seqlen_q),
-                          BlockQ{}, make_coord(m_block, 0));
-  Tensor gK = local_tile(head_tensor<kHeadDim, const Element>(p.k, p.k_stride, batch, head_kv, p.seqlen_k),
-                         BlockKV{}, make_coord(_, 0));  // (kBlockN, kHeadDim, n_blocks)
-  Tensor gV = local_tile(head_tensor<kHeadDim, const Element>(p.v, p.v_stride, batch, head_kv, p.seqlen_k),
-                         BlockKV{}, make_coord(_, 0));
-  const int64_t bh = int64_t(batch) * p.nheads + head;
+  Tensor gdO = local_tile(seq.q_tensor<kHeadDim, const Element>(p.dout, p.dout_stride, batch, head), BlockQ{},
+                          make_coord(m_block, 0));
+  Tensor gK = local_tile(seq.k_tensor<kHeadDim, const Element>(p.k, p.k_stride, batch, head_kv), BlockKV{},
+                         make_coord(_, 0));  // (kBlockN, kHeadDim, n_blocks)
+  Tensor gV = local_tile(seq.k_tensor<kHeadDim, const Element>(p.v, p.v_stride, batch, head_kv), BlockKV{},
+                         make_coord(_, 0));
 
   extern __shared__ char smem_raw[];
   BwdSmem<Traits> smem(smem_raw);
@@ -449,9 +453,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const __gr
   Tensor tKgV = gmem_thr.partition_S(gV);
   Tensor tKsK = gmem_thr.partition_D(sK);
   Tensor tKsV = gmem_thr.partition_D(sV);
-  copy_tile<true>(gmem_copy, gmem_thr.partition_S(gQ), gmem_thr.partition_D(sQ), tQcQ, p.seqlen_q - row_offset,
+  copy_tile<true>(gmem_copy, gmem_thr.partition_S(gQ), gmem_thr.partition_D(sQ), tQcQ, seq.seqlen_q - row_offset,
                   p.head_dim);
-  copy_tile<true>(gmem_copy, gmem_thr.partition_S(gdO), gmem_thr.partition_D(sdO), tQcQ, p.seqlen_q - row_offset,
+  copy_tile<true>(gmem_copy, gmem_thr.partition_S(gdO), gmem_thr.partition_D(sdO), tQcQ, seq.seqlen_q - row_offset,
                   p.head_dim);
 
   typename Traits::TiledMmadQ mma_dq;
@@ -460,24 +464,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const __gr
   for (int n_block = 0; n_block < n_block_end; ++n_block) {
     const int col_offset = n_block * kBlockN;
     __syncthreads();  // every warp is done reading the previous sK / sV / sdS
-    copy_tile<true>(gmem_copy, tKgK(_, _, _, n_block), tKsK, tKcK, p.seqlen_k - col_offset, p.head_dim);
-    copy_tile<true>(gmem_copy, tKgV(_, _, _, n_block), tKsV, tKcK, p.seqlen_k - col_offset, p.head_dim);
+    copy_tile<true>(gmem_copy, tKgK(_, _, _, n_block), tKsK, tKcK, seq.seqlen_k - col_offset, p.head_dim);
+    copy_tile<true>(gmem_copy, tKgV(_, _, _, n_block), tKsV, tKcK, seq.seqlen_k - col_offset, p.head_dim);
     cp_async_fence();
     cp_async_wait<0>();
     __syncthreads();
-    bwd_p_ds<Traits>(p, sQ, sdO, sK, sV, sP, sdS, p.lse + bh * p.seqlen_q, p.d_sum + bh * p.seqlen_q, row_offset,
-                     col_offset);
+    bwd_p_ds<Traits>(p, sQ, sdO, sK, sV, sP, sdS, p.lse + seq.stats_row, p.d_sum + seq.stats_row, row_offset,
+                     col_offset, seq.seqlen_q, seq.seqlen_k);
     __syncthreads();
     bwd_dq_tile<Traits>(acc_dq, sdS, sKt);
   }
 
-  Tensor gdQ = local_tile(head_tensor<kHeadDim, Element>(p.dq, p.dq_stride, batch, head, p.seqlen_q), BlockQ{},
+  Tensor gdQ = local_tile(seq.q_tensor<kHeadDim, Element>(p.dq, p.dq_stride, batch, head), BlockQ{},
                           make_coord(m_block, 0));
   // sQ is reused to stage dQ. A block that saw no key skipped the loop, so its Q/dO copies may still be
   // in flight: drain them first.
   cp_async_wait<0>();
   __syncthreads();
-  store_acc_tile<Traits>(mma_dq, acc_dq, p.softmax_scale, sQ, gdQ, p.seqlen_q - row_offset, p.head_dim);
+  store_acc_tile<Traits>(mma_dq, acc_dq, p.softmax_scale, sQ, gdQ, seq.seqlen_q - row_offset, p.head_dim);
 }
 
 }  // namespace fa2

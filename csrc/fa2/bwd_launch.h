@@ -31,18 +31,13 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
   check_cuda(cudaGetLastError(), "bwd preprocess launch");
 
   constexpr int smem = Traits::kSmemSize;
-  auto set_smem = [&](auto kernel) {
-    if constexpr (smem > 48 * 1024) {
-      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "bwd smem");
-    }
-  };
-  set_smem(&bwd_kernel<Traits>);
+  allow_smem<&bwd_kernel<Traits>>(smem, "bwd smem");
   const dim3 grid(ceil_div_host(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
   bwd_kernel<Traits><<<grid, Traits::kNThreads, smem, stream>>>(p);
   check_cuda(cudaGetLastError(), "bwd launch");
 
   if (p.deterministic) {
-    set_smem(&bwd_dq_kernel<Traits>);
+    allow_smem<&bwd_dq_kernel<Traits>>(smem, "bwd dq smem");
     const dim3 grid_dq(ceil_div_host(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
     bwd_dq_kernel<Traits><<<grid_dq, Traits::kNThreads, smem, stream>>>(p);
     check_cuda(cudaGetLastError(), "bwd dq launch");

@@ -7,6 +7,7 @@
 
 #include "fa2/mask.h"
 #include "fa2/params.h"
+#include "fa2/seqlen.h"
 #include "fa2/softmax.h"
 #include "fa2/utils.h"
 
@@ -29,12 +30,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   const int head_kv = head / (p.nheads / p.nheads_k);  // GQA/MQA: query heads share a K/V head
   const int tid = threadIdx.x;
   const int row_offset = m_block * kBlockM;
-  const int n_block_end = key_block_end<kBlockM, kBlockN>(m_block, p.seqlen_q, p.seqlen_k, p.causal);
+  const SeqInfo seq(p, batch, head);
+  if (row_offset >= seq.seqlen_q) return;  // varlen: the grid is sized for the longest sequence
+  const int n_block_end = key_block_end<kBlockM, kBlockN>(m_block, seq.seqlen_q, seq.seqlen_k, p.causal);
 
-  // Full tensors of this (batch, head), then this block's tiles.
-  Tensor mQ = head_tensor<kHeadDim, const Element>(p.q, p.q_stride, batch, head, p.seqlen_q);
-  Tensor mK = head_tensor<kHeadDim, const Element>(p.k, p.k_stride, batch, head_kv, p.seqlen_k);
-  Tensor mV = head_tensor<kHeadDim, const Element>(p.v, p.v_stride, batch, head_kv, p.seqlen_k);
+  // Full tensors of this (sequence, head), then this block's tiles.
+  Tensor mQ = seq.q_tensor<kHeadDim, const Element>(p.q, p.q_stride, batch, head);
+  Tensor mK = seq.k_tensor<kHeadDim, const Element>(p.k, p.k_stride, batch, head_kv);
+  Tensor mV = seq.k_tensor<kHeadDim, const Element>(p.v, p.v_stride, batch, head_kv);
   Tensor gQ = local_tile(mQ, BlockQ{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
   Tensor gK = local_tile(mK, BlockKV{}, make_coord(_, 0));        // (kBlockN, kHeadDim, n_blocks)
   Tensor gV = local_tile(mV, BlockKV{}, make_coord(_, 0));
@@ -85,8 +88,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
 
   if (n_block_end > 0) {
     // Prologue: Q and the last visited K tile (the only one that can be cut by seqlen_k).
-    copy_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, p.seqlen_q - row_offset, p.head_dim);
-    copy_tile<true>(gmem_copy, tKgK(_, _, _, n_block_end - 1), tKsK, tKcK, p.seqlen_k - (n_block_end - 1) * kBlockN,
+    copy_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, seq.seqlen_q - row_offset, p.head_dim);
+    copy_tile<true>(gmem_copy, tKgK(_, _, _, n_block_end - 1), tKsK, tKcK, seq.seqlen_k - (n_block_end - 1) * kBlockN,
                     p.head_dim);
     cp_async_fence();
   }
@@ -101,12 +104,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     clear(acc_s);
     cp_async_wait<0>();
     __syncthreads();  // K[n] (and Q) landed; all warps finished O += P V[n+1], so sV may be refilled
-    copy_tile<true>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKcK, p.seqlen_k - n_block * kBlockN, p.head_dim);
+    copy_tile<true>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKcK, seq.seqlen_k - n_block * kBlockN, p.head_dim);
     cp_async_fence();
 
     gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
     if (n_block >= n_masked_begin) {
-      apply_mask(acc_s, tScS, row_offset, n_block * kBlockN, p.seqlen_q, p.seqlen_k, p.causal);
+      apply_mask(acc_s, tScS, row_offset, n_block * kBlockN, seq.seqlen_q, seq.seqlen_k, p.causal);
     }
 
     cp_async_wait<0>();
@@ -128,11 +131,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   softmax.finalize(acc_o, p.softmax_scale, lse);
   {
     Tensor c = make_tensor(tOcO.data(), rowcol_layout(tOcO.layout()));
-    float* lse_row = p.lse + (int64_t(batch) * p.nheads + head) * p.seqlen_q + row_offset;
+    float* lse_row = p.lse + seq.stats_row + row_offset;
     CUTE_UNROLL
     for (int mi = 0; mi < kRowsPerThread; ++mi) {
       const int row = get<0>(c(mi, 0));
-      if (get<1>(c(0, 0)) == 0 && row < p.seqlen_q - row_offset) lse_row[row] = lse[mi];
+      if (get<1>(c(0, 0)) == 0 && row < seq.seqlen_q - row_offset) lse_row[row] = lse[mi];
     }
   }
 
@@ -147,13 +150,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
 
   typename Traits::GmemTiledCopyOut gmem_copy_o;
   auto gmem_thr_o = gmem_copy_o.get_thread_slice(tid);
-  Tensor mO = head_tensor<kHeadDim, Element>(p.o, p.o_stride, batch, head, p.seqlen_q);
+  Tensor mO = seq.q_tensor<kHeadDim, Element>(p.o, p.o_stride, batch, head);
   Tensor gO = local_tile(mO, BlockQ{}, make_coord(m_block, 0));
   Tensor tOsO = gmem_thr_o.partition_S(sO);
   Tensor tOgO = gmem_thr_o.partition_D(gO);
   Tensor tOrO = make_tensor<Element>(shape(tOgO));
   copy(gmem_copy_o, tOsO, tOrO);
-  store_tile(gmem_copy_o, tOrO, tOgO, tQcQ, p.seqlen_q - row_offset, p.head_dim);
+  store_tile(gmem_copy_o, tOrO, tOgO, tQcQ, seq.seqlen_q - row_offset, p.head_dim);
 }
 
 }  // namespace fa2

@@ -28,10 +28,8 @@ void run_fwd(const FwdParams& p, cudaStream_t stream) {
   using Config = FwdConfig<kHeadDim>;
   using Traits = FwdTraits<kHeadDim, Config::kBlockM, Config::kBlockN, Config::kNWarps, kDType>;
   constexpr int smem = Traits::kSmemSize;
-  auto kernel = &fwd_kernel<Traits>;
-  if constexpr (smem > 48 * 1024) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "fwd smem");
-  }
+  constexpr auto kernel = &fwd_kernel<Traits>;
+  allow_smem<kernel>(smem, "fwd smem");
   const dim3 grid(ceil_div_host(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
   kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
   check_cuda(cudaGetLastError(), "fwd launch");

@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -19,6 +21,20 @@ inline void check_cuda(cudaError_t err, const char* what) {
 }
 
 inline constexpr int ceil_div_host(int a, int b) { return (a + b - 1) / b; }
+
+// Opt a kernel into more than 48 KB of dynamic shared memory. The attribute sticks per device, and setting it
+// is a driver call that costs host time on every launch, so it is set once per (kernel, device).
+template <auto kKernel>
+void allow_smem(int smem, const char* what) {
+  if (smem <= 48 * 1024) return;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  static std::atomic<uint64_t> done{0};
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+  if (done.load(std::memory_order_relaxed) & bit) return;
+  check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), what);
+  done.fetch_or(bit, std::memory_order_relaxed);
+}
 
 template <int kHeadDim, DType kDType> void run_fwd(const FwdParams& p, cudaStream_t stream);
 template <int kHeadDim, DType kDType> void run_bwd(const BwdParams& p, cudaStream_t stream);

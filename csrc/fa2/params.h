@@ -16,7 +16,7 @@ struct FwdParams {
   const void* k = nullptr;
   const void* v = nullptr;
   void* o = nullptr;
-  float* lse = nullptr;  // (batch, nheads, seqlen_q), contiguous; natural log
+  float* lse = nullptr;  // (batch, nheads, seqlen_q) contiguous (varlen: (nheads, total_q)); natural log
   Strides q_stride, k_stride, v_stride, o_stride;
 
   int batch = 0, seqlen_q = 0, seqlen_k = 0;
@@ -26,6 +26,14 @@ struct FwdParams {
   float softmax_scale = 0.f;
   float scale_log2 = 0.f;  // softmax_scale * log2(e): softmax runs in base 2 (exp2 is one MUFU op)
   bool causal = false;     // bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
+
+  // Packed variable-length batches (both nullptr for padded ones): sequence b owns tokens
+  // [cu_seqlens_q[b], cu_seqlens_q[b+1]) of (total_q, nheads, head_dim) q/o and likewise of k/v. Then the
+  // strides' batch field is 0, seqlen_q/seqlen_k are the longest lengths (they size the grid), causal is
+  // per sequence, and lse (and the backward's d_sum, dq_accum) rows are laid out (nheads, total_q).
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  int total_q = 0, total_k = 0;
 };
 
 struct BwdParams : FwdParams {
@@ -34,8 +42,8 @@ struct BwdParams : FwdParams {
   void* dk = nullptr;  // (batch, seqlen_k, nheads, head_dim): one slice per *query* head;
   void* dv = nullptr;  // the Python layer sums the groups for GQA/MQA
   bool dkv_fp32 = false;  // dk/dv are float32 (GQA/MQA: the group is summed before rounding once)
-  float* dq_accum = nullptr;  // (batch, nheads, seqlen_q, head_dim) fp32 workspace, zeroed by the kernels
-  float* d_sum = nullptr;     // D = rowsum(dO * O): (batch, nheads, seqlen_q) fp32 workspace
+  float* dq_accum = nullptr;  // (lse's rows, head_dim) fp32 workspace, zeroed by the kernels
+  float* d_sum = nullptr;     // D = rowsum(dO * O), laid out like lse; fp32 workspace
   Strides dout_stride, dq_stride, dk_stride, dv_stride;
   bool deterministic = false;
 };

@@ -12,14 +12,6 @@
 namespace fa2 {
 using namespace cute;
 
-// One (batch, head) slice of a (batch, seqlen, nheads, head_dim) tensor as a (seqlen, kHeadDim) tensor.
-// Strides are 64-bit, so offsets past 2^31 elements are fine.
-template <int kHeadDim, typename Element, typename Void>
-__device__ __forceinline__ auto head_tensor(Void* base, Strides const& st, int batch, int head, int len) {
-  auto ptr = static_cast<Element*>(base) + batch * st.batch + head * st.head;
-  return make_tensor(make_gmem_ptr(ptr), make_shape(len, Int<kHeadDim>{}), make_stride(st.row, _1{}));
-}
-
 // Global -> shared tile copy that only touches rows < max_row and columns < max_col of the tile.
 // `coord` is the copy partition of an identity tensor: it tells each thread which (row, col) its
 // 16-byte chunk covers. Out-of-range chunks are zero-filled in shared memory so that padded keys/values

@@ -2,8 +2,8 @@
 kernels on the current CUDA stream. The C++ side re-checks sizes so that a bad call can never write out of
 bounds; the checks here exist to give a message that names the argument and the fix.
 
-Nothing here reads tensor values on the host (no .item(), no branching on data), so fwd and bwd can later
-be wrapped as torch.library custom ops and captured in CUDA graphs."""
+Nothing here reads tensor values on the host (no .item(), no branching on data), so fwd and bwd can be
+wrapped as torch.library custom ops (ops.py, with autograd) and captured in CUDA graphs."""
 from __future__ import annotations
 
 import contextlib
@@ -43,6 +43,11 @@ def _compiled() -> dict:
     return build_info()
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple:
+    return torch.cuda.get_device_capability(device_index)
+
+
 # ----------------------------------------------------------------------------------------------- checks
 def _check_tensor(name: str, t, *, dtype: torch.dtype, shape: tuple, what: str) -> None:
     """t is a tensor of this dtype and shape (`what` says where that requirement comes from)."""
@@ -69,8 +74,9 @@ def _check_loadable(name: str, t: torch.Tensor, fix: str = "") -> None:
                          f"got strides {t.stride()} (data_ptr % 16 = {t.data_ptr() % 16}): {fix}")
 
 
-def _check_qkv(q, k, v, softmax_scale) -> None:
-    """q, k, v and the scale, before any device check (so CPU tensors reach every message)."""
+def _check_qkv(q, k, v, softmax_scale, varlen: bool = False) -> None:
+    """q, k, v and the scale, before any device check (so CPU tensors reach every message). Padded batches
+    are (batch, seqlen, nheads, head_dim); packed ones (varlen) (total_tokens, nheads, head_dim)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -81,16 +87,22 @@ def _check_qkv(q, k, v, softmax_scale) -> None:
         raise TypeError(f"q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}: cast k and v to "
                         f"q's dtype")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
+        if varlen and t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (total_tokens, nheads, head_dim): the sequences packed one after "
+                             f"another along dim 0, got shape {tuple(t.shape)}")
+        if not varlen and t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, seqlen, nheads, head_dim), got shape {tuple(t.shape)}; "
                              f"for a single sequence use {name}.unsqueeze(0)")
-    batch, _, nheads, head_dim = q.shape
-    if k.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(f"k must be (batch={batch}, seqlen_k, nheads_k, head_dim={head_dim}) to match q of shape "
-                         f"{tuple(q.shape)}, got {tuple(k.shape)}")
+    nheads, head_dim = q.shape[-2:]
+    if varlen and k.shape[-1] != head_dim:
+        raise ValueError(f"k must be (total_k, nheads_k, head_dim={head_dim}) to match q of shape {tuple(q.shape)}, "
+                         f"got {tuple(k.shape)}")
+    if not varlen and (k.shape[0] != q.shape[0] or k.shape[3] != head_dim):
+        raise ValueError(f"k must be (batch={q.shape[0]}, seqlen_k, nheads_k, head_dim={head_dim}) to match q of "
+                         f"shape {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.shape != k.shape:
         raise ValueError(f"v must have the same shape as k {tuple(k.shape)}, got {tuple(v.shape)}")
-    nheads_k = k.shape[2]
+    nheads_k = k.shape[-2]
     if nheads_k == 0 or nheads % nheads_k != 0:
         raise ValueError(f"q's nheads ({nheads}) must be a multiple of k's and v's nheads_k ({nheads_k}) "
                          f"(GQA/MQA: each K/V head serves nheads // nheads_k query heads)")
@@ -122,7 +134,7 @@ def _check_device_and_build(kind: str, q: torch.Tensor, **tensors) -> None:
             raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}: move it with {name}.cuda()")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}: put every tensor on one GPU")
-    major, minor = torch.cuda.get_device_capability(q.device)
+    major, minor = _capability(q.device.index)
     if major < 8:
         raise RuntimeError(f"fa2 needs an sm80+ GPU (Ampere or newer); {q.device} is sm{major}{minor}")
     info, head_dim, dtype = _compiled(), q.shape[-1], _DTYPE_NAMES[q.dtype]
@@ -158,16 +170,19 @@ def _check_bwd(dout, q, k, v, out, lse, softmax_scale, dq, dk, dv) -> None:
 
 # ----------------------------------------------------------------------------------------------- launch
 def _launch(name: str, q, k, softmax_scale, causal, strided: dict, workspaces: dict, **flags) -> None:
-    """Call _C.fwd / _C.bwd: pointers, (batch, row, head) strides in elements of the 4-D operands, sizes."""
+    """Call _C.fwd / _C.bwd: pointers, (batch, row, head) strides in elements of the 4-D operands, sizes.
+    `flags` are passed on and override the sizes read off q and k (varlen.py passes its own)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     softmax_scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     args = {name: t.data_ptr() for name, t in {**strided, **workspaces}.items()}
     args.update({f"{name}_stride": tuple(t.stride()[:3]) for name, t in strided.items()})
+    args.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=k.shape[1], nheads=nheads, nheads_k=k.shape[2],
+                head_dim=head_dim, softmax_scale=softmax_scale, causal=bool(causal), dtype=_DTYPE_NAMES[q.dtype],
+                device=q.device.index, stream=torch.cuda.current_stream(q.device).cuda_stream)
+    args.update(flags)
     nvtx = torch.cuda.nvtx.range(f"fa2.{name}") if _NVTX else contextlib.nullcontext()
     with torch.cuda.device(q.device), nvtx:
-        getattr(_ext(), name)(**args, batch=batch, seqlen_q=seqlen_q, seqlen_k=k.shape[1], nheads=nheads, nheads_k=k.shape[2],
-               head_dim=head_dim, softmax_scale=softmax_scale, causal=bool(causal), dtype=_DTYPE_NAMES[q.dtype],
-               device=q.device.index, stream=torch.cuda.current_stream(q.device).cuda_stream, **flags)
+        getattr(_ext(), name)(**args)
 
 
 def _new(like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
@@ -221,33 +236,3 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
         dk.copy_(dk_heads.view(batch, seqlen_k, nheads_k, group, head_dim).sum(dim=3))
         dv.copy_(dv_heads.view(batch, seqlen_k, nheads_k, group, head_dim).sum(dim=3))
     return dq, dk, dv
-
-
-# ----------------------------------------------------------------------------------------------- autograd
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale):
-        out, lse = fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
-        ctx.save_for_backward(q, k, v, out, lse)  # O(seqlen) extra memory: no seqlen_q x seqlen_k tensor
-        ctx.causal, ctx.softmax_scale = causal, softmax_scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = bwd(dout, q, k, v, out, lse, softmax_scale=ctx.softmax_scale, causal=ctx.causal)
-        return (*(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad)), None, None)
-
-
-def _autocast(t):
-    """Under torch.autocast, floating inputs run in the autocast dtype (as for torch's own SDPA)."""
-    if isinstance(t, torch.Tensor) and t.is_cuda and torch.is_autocast_enabled("cuda"):
-        return t.to(torch.get_autocast_dtype("cuda")) if t.is_floating_point() else t
-    return t
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              softmax_scale: Optional[float] = None) -> torch.Tensor:
-    """softmax(q k^T * softmax_scale [causal mask]) v, differentiable in q, k and v. Layout
-    (batch, seqlen, nheads, head_dim); k and v may have fewer heads (GQA/MQA). Returns out, shaped like q."""
-    return _Attention.apply(_autocast(q), _autocast(k), _autocast(v), causal, softmax_scale)

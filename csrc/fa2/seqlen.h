@@ -1,0 +1,56 @@
+// Where the rows of one batch entry live, for padded and packed (varlen) batches alike: the kernels
+// ask this, never the params, for a sequence's lengths and offsets.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "fa2/params.h"
+
+namespace fa2 {
+using namespace cute;
+
+struct SeqInfo {
+  int seqlen_q, seqlen_k;    // this sequence's lengths
+  int64_t q_start, k_start;  // its first token in a packed tensor (0 for padded batches)
+  int64_t stats_row;         // row 0 of this (batch, head) in lse, d_sum and dq_accum
+
+  __device__ __forceinline__ SeqInfo(FwdParams const& p, int batch, int head) {
+    if (p.cu_seqlens_q == nullptr) {
+      seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
+      q_start = 0, k_start = 0;
+      stats_row = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
+      return;
+    }
+    // Clamped so that a corrupt cu_seqlens can never address outside the tensors, and cut at the
+    // max_seqlen that sized the grid. The Python layer validates both and reports bad values; this only
+    // keeps the kernels memory-safe when it cannot look (CUDA-graph capture).
+    const int q0 = min(max(p.cu_seqlens_q[batch], 0), p.total_q);
+    const int q1 = min(max(p.cu_seqlens_q[batch + 1], q0), p.total_q);
+    const int k0 = min(max(p.cu_seqlens_k[batch], 0), p.total_k);
+    const int k1 = min(max(p.cu_seqlens_k[batch + 1], k0), p.total_k);
+    seqlen_q = min(q1 - q0, p.seqlen_q), seqlen_k = min(k1 - k0, p.seqlen_k);
+    q_start = q0, k_start = k0;
+    stats_row = int64_t(head) * p.total_q + q0;
+  }
+
+  // This sequence's (seqlen, kHeadDim) slice of one head of a q-side (q, o, dO, dQ) or k-side (k, v, dK, dV)
+  // tensor. Strides are 64-bit, so offsets past 2^31 elements are fine.
+  template <int kHeadDim, typename Element, typename Void>
+  __device__ __forceinline__ auto q_tensor(Void* base, Strides const& st, int batch, int head) const {
+    return slice<kHeadDim, Element>(base, st, batch, q_start, head, seqlen_q);
+  }
+  template <int kHeadDim, typename Element, typename Void>
+  __device__ __forceinline__ auto k_tensor(Void* base, Strides const& st, int batch, int head) const {
+    return slice<kHeadDim, Element>(base, st, batch, k_start, head, seqlen_k);
+  }
+
+ private:
+  template <int kHeadDim, typename Element, typename Void>
+  __device__ __forceinline__ static auto slice(Void* base, Strides const& st, int batch, int64_t start, int head,
+                                               int len) {
+    auto ptr = static_cast<Element*>(base) + batch * st.batch + start * st.row + head * st.head;
+    return make_tensor(make_gmem_ptr(ptr), make_shape(len, Int<kHeadDim>{}), make_stride(st.row, _1{}));
+  }
+};
+
+}  // namespace fa2
