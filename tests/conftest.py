@@ -1,5 +1,7 @@
-"""Test setup: the `gpu` marker (skipped, with the reason, where there is no GPU or no built extension) and
-a fresh, reproducible seed per test."""
+"""Test setup: the `gpu` marker (skipped, with the reason, where there is no GPU or no built extension), a
+fresh, reproducible seed per test, and a stand-in for the kernels that lets CPU tests run fwd/bwd."""
+import contextlib
+import types
 import zlib
 
 import pytest
@@ -49,3 +51,31 @@ def require_kernel():
                         f"({info[f'{kind}_head_dims']}, {info['dtypes']})")
 
     return require
+
+
+class _RecordingExtension:
+    """Stands in for fa2._C: records the keyword arguments of each kernel call instead of launching."""
+
+    def __init__(self):
+        self.calls = []
+
+    def fwd(self, **kwargs):
+        self.calls.append(("fwd", kwargs))
+
+    def bwd(self, **kwargs):
+        self.calls.append(("bwd", kwargs))
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    """Run fwd/bwd (and the varlen pair) on CPU tensors past the device checks, with the kernels replaced by
+    a recorder. Outputs are left unwritten (torch.empty)."""
+    import fa2
+
+    ext = _RecordingExtension()
+    monkeypatch.setattr(fa2.interface, "_C", ext)
+    for module in (fa2.interface, fa2.varlen):  # varlen.py imports the check by name
+        monkeypatch.setattr(module, "_check_device_and_build", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=1234))
+    return ext

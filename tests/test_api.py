@@ -1,11 +1,9 @@
 """The public API without a GPU: import, build_info, and a clear error for every kind of bad input.
 Shapes, dtypes and strides are checked before the device, so CPU tensors reach every message."""
-import contextlib
 import os
 import re
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -29,7 +27,8 @@ def _is_built():
 
 
 def test_public_api_is_exactly_this():
-    assert sorted(fa2.__all__) == ["__version__", "attention", "build_info", "bwd", "fwd", "reference"]
+    assert sorted(fa2.__all__) == ["__version__", "attention", "attention_varlen", "build_info", "bwd", "bwd_varlen",
+                                   "flash_attn_func", "flash_attn_varlen_func", "fwd", "fwd_varlen", "reference"]
     assert callable(fa2.reference.attention_ref) and isinstance(fa2.__version__, str)
 
 
@@ -156,30 +155,6 @@ def test_bwd_accepts_any_dout_strides_before_the_device_check():
         fa2.bwd(*args.values())
 
 
-class _RecordingExtension:
-    """Stands in for fa2._C: records the keyword arguments of each kernel call instead of launching."""
-
-    def __init__(self):
-        self.calls = []
-
-    def fwd(self, **kwargs):
-        self.calls.append(("fwd", kwargs))
-
-    def bwd(self, **kwargs):
-        self.calls.append(("bwd", kwargs))
-
-
-@pytest.fixture
-def recording(monkeypatch):
-    """Run fwd/bwd on CPU tensors past the device checks, with the kernels replaced by a recorder."""
-    ext = _RecordingExtension()
-    monkeypatch.setattr(fa2.interface, "_C", ext)
-    monkeypatch.setattr(fa2.interface, "_check_device_and_build", lambda *args, **kwargs: None)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=1234))
-    return ext
-
-
 def test_fwd_passes_pointers_strides_and_sizes(recording):
     q, k, v = torch.randn(2, 40, 3, 4, 64, dtype=BF16).unbind(2)  # strided slices of a packed qkv
     k, v = k[:, :30, :2], v[:, :30, :2]  # GQA 2:1, seqlen_k 30
@@ -233,6 +208,14 @@ def test_recorded_arguments_are_exactly_the_extension_parameters(recording):
     q, k, v = _qkv(hk=2)
     out, lse = fa2.fwd(q, k, v)
     fa2.bwd(torch.randn_like(q), q, k, v, out, lse)
-    for kind, args in recording.calls:
+    # Packed batches pass the varlen parameters too; padded ones leave them at their defaults.
+    cu = torch.tensor([0, q.shape[1]], dtype=torch.int32)
+    packed = [t[0] for t in (q, k, v)]
+    out, lse = fa2.fwd_varlen(*packed, cu, cu, q.shape[1], k.shape[1])
+    fa2.bwd_varlen(torch.randn_like(out), *packed, out, lse, cu, cu, q.shape[1], k.shape[1])
+    varlen_only = {"cu_seqlens_q", "cu_seqlens_k", "total_q", "total_k"}
+    assert len(recording.calls) == 4
+    for i, (kind, args) in enumerate(recording.calls):
         signature = getattr(ext, kind).__doc__.splitlines()[0]  # pybind11: "fwd(q: int, k: int, ...) -> None"
-        assert sorted(args) == sorted(re.findall(r"(\w+): ", signature)), kind
+        expected = set(re.findall(r"(\w+): ", signature))
+        assert sorted(args) == sorted(expected if i >= 2 else expected - varlen_only), kind

@@ -3,9 +3,15 @@
     out = fa2.attention(q, k, v, causal=True)          # autograd-aware, (batch, seqlen, nheads, head_dim)
     out, lse = fa2.fwd(q, k, v, causal=True)           # low level
     dq, dk, dv = fa2.bwd(dout, q, k, v, out, lse, causal=True)
+    out = fa2.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)  # packed
+    from fa2 import flash_attn_func                    # drop-in for flash-attn 2.x; fa2.hf for transformers
 """
 from fa2 import reference
-from fa2.interface import attention, build_info, bwd, fwd
+from fa2.flash_attn_compat import flash_attn_func, flash_attn_varlen_func
+from fa2.interface import build_info, bwd, fwd
+from fa2.ops import attention, attention_varlen
+from fa2.varlen import bwd_varlen, fwd_varlen
 
 __version__ = "0.1.0"
-__all__ = ["attention", "build_info", "bwd", "fwd", "reference", "__version__"]
+__all__ = ["attention", "attention_varlen", "build_info", "bwd", "bwd_varlen", "flash_attn_func",
+           "flash_attn_varlen_func", "fwd", "fwd_varlen", "reference", "__version__"]
