@@ -5,7 +5,7 @@ NVTX range named "profile", so ncu can select exactly those:
 
     ncu --clock-control none --nvtx --nvtx-include "profile/" \\
         --kernel-name-base demangled --kernel-name regex:fa2:: --set full -o fa2_bwd_d128 \\
-        python bench/profile.py --mode bwd --hdim 128 --seqlen 4096
+        python bench/ncu_profile.py --mode bwd --hdim 128 --seqlen 4096
 
 (`--kernel-name-base demangled`: the regex then sees the namespace and template arguments.) Add
 `--launch-count 1` to stop after the first kernel; `--import-source yes` to embed the source that -lineinfo
@@ -34,7 +34,7 @@ def main():
     ap.add_argument("--iters", type=int, default=3, help="profiled calls, each in an NVTX range 'profile'")
     a = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("profile.py: needs a CUDA GPU")
+        raise SystemExit("ncu_profile.py: needs a CUDA GPU")
 
     import fa2
     b, h = a.batch or max(1, 16384 // a.seqlen), a.nheads or max(1, 2048 // a.hdim)
