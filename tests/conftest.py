@@ -1,7 +1,6 @@
 """Test setup: the `gpu` marker (skipped, with the reason, where there is no GPU or no built extension), a
 fresh, reproducible seed per test, and a stand-in for the kernels that lets CPU tests run fwd/bwd."""
 import contextlib
-import types
 import zlib
 
 import pytest
@@ -77,5 +76,5 @@ def recording(monkeypatch):
     for module in (fa2.interface, fa2.varlen):  # varlen.py imports the check by name
         monkeypatch.setattr(module, "_check_device_and_build", lambda *args, **kwargs: None)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=1234))
+    monkeypatch.setattr(fa2.interface, "_current_stream", lambda device_index: 1234)
     return ext

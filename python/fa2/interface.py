@@ -147,12 +147,36 @@ def _check_device_and_build(kind: str, q: torch.Tensor, **tensors) -> None:
                          f"{head_dims}: rebuild with FA2_HEAD_DIMS including one")
 
 
+def _remembered(check):
+    """The checks are pure functions of tensor metadata (and of this build and GPU), and a training loop
+    makes the same call over and over: metadata that passed once skips them next time. They were a third of
+    fa2.fwd's host time (bench/host_overhead.py). Anything unusual (non-tensors, unhashable values) takes the
+    full checks every time."""
+    passed = set()
+
+    @functools.wraps(check)
+    def remembered(*args):
+        try:
+            key = tuple((a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16) if isinstance(a, torch.Tensor)
+                        else a for a in args)
+            if key in passed:
+                return
+        except Exception:  # e.g. a list where a tensor belongs: the check itself says what is wrong
+            return check(*args)
+        check(*args)
+        if len(passed) < 4096:
+            passed.add(key)
+    return remembered
+
+
+@_remembered
 def _check_fwd(q, k, v, out, softmax_scale) -> None:
     _check_qkv(q, k, v, softmax_scale)
     _check_buffer("out", out, q, "q")
     _check_device_and_build("fwd", q, k=k, v=v, out=out)
 
 
+@_remembered
 def _check_bwd(dout, q, k, v, out, lse, softmax_scale, dq, dk, dv) -> None:
     _check_qkv(q, k, v, softmax_scale)
     _check_tensor("dout", dout, dtype=q.dtype, shape=q.shape, what="like q")  # any strides: copied if needed
@@ -178,11 +202,21 @@ def _launch(name: str, q, k, softmax_scale, causal, strided: dict, workspaces: d
     args.update({f"{name}_stride": tuple(t.stride()[:3]) for name, t in strided.items()})
     args.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=k.shape[1], nheads=nheads, nheads_k=k.shape[2],
                 head_dim=head_dim, softmax_scale=softmax_scale, causal=bool(causal), dtype=_DTYPE_NAMES[q.dtype],
-                device=q.device.index, stream=torch.cuda.current_stream(q.device).cuda_stream)
+                device=q.device.index, stream=_current_stream(q.device.index))
     args.update(flags)
     nvtx = torch.cuda.nvtx.range(f"fa2.{name}") if _NVTX else contextlib.nullcontext()
-    with torch.cuda.device(q.device), nvtx:
+    with torch.cuda.device(q.device.index), nvtx:
         getattr(_ext(), name)(**args)
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds of torch
+
+
+def _current_stream(device_index: int) -> int:
+    """The current CUDA stream as an integer (cudaStream_t), without building a torch.cuda.Stream object."""
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 def _new(like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
