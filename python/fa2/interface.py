@@ -176,19 +176,24 @@ def _check_fwd(q, k, v, out, softmax_scale) -> None:
     _check_device_and_build("fwd", q, k=k, v=v, out=out)
 
 
-@_remembered
-def _check_bwd(dout, q, k, v, out, lse, softmax_scale, dq, dk, dv) -> None:
-    _check_qkv(q, k, v, softmax_scale)
+def _check_bwd_tensors(dout, q, k, v, out, lse, dq, dk, dv, *, lse_shape: tuple, fwd_name: str) -> None:
+    """What the backward takes beyond q, k, v (padded and varlen alike): dout, fwd's out and lse, buffers."""
     _check_tensor("dout", dout, dtype=q.dtype, shape=q.shape, what="like q")  # any strides: copied if needed
     if out is None:
-        raise TypeError("out must be the output tensor of fwd, got None")
+        raise TypeError(f"out must be the output tensor of {fwd_name}, got None")
     _check_buffer("out", out, q, "q")
-    batch, seqlen_q, nheads, _ = q.shape
-    _check_tensor("lse", lse, dtype=torch.float32, shape=(batch, nheads, seqlen_q), what="fwd's lse")
+    _check_tensor("lse", lse, dtype=torch.float32, shape=lse_shape, what=f"{fwd_name}'s lse")
     if not lse.is_contiguous():
         raise ValueError(f"lse must be contiguous, got strides {lse.stride()}: pass lse.contiguous()")
     for name, t, like, like_name in (("dq", dq, q, "q"), ("dk", dk, k, "k"), ("dv", dv, v, "v")):
         _check_buffer(name, t, like, like_name)
+
+
+@_remembered
+def _check_bwd(dout, q, k, v, out, lse, softmax_scale, dq, dk, dv) -> None:
+    _check_qkv(q, k, v, softmax_scale)
+    batch, seqlen_q, nheads, _ = q.shape
+    _check_bwd_tensors(dout, q, k, v, out, lse, dq, dk, dv, lse_shape=(batch, nheads, seqlen_q), fwd_name="fwd")
     _check_device_and_build("bwd", q, k=k, v=v, out=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv)
 
 
@@ -223,6 +228,24 @@ def _new(like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     return torch.empty(like.shape if shape is None else shape, dtype=dtype or like.dtype, device=like.device)
 
 
+def _dkv_per_query_head(q, dk, dv):
+    """Where the kernels write dK and dV: one slice per query head. For GQA/MQA those slices are float32 and
+    each group is summed (_sum_groups) before the one rounding to the input dtype (rounding each slice first
+    loses accuracy); otherwise straight into dk and dv. Returns (dk_heads, dv_heads, grouped)."""
+    if q.shape[-2] == dk.shape[-2]:
+        return dk, dv, False
+    shape = (*dk.shape[:-2], q.shape[-2], dk.shape[-1])
+    return _new(q, shape, torch.float32), _new(q, shape, torch.float32), True
+
+
+def _sum_groups(dk, dv, dk_heads, dv_heads) -> None:
+    """dk, dv (..., nheads_k, head_dim) = the sums over each group of query-head slices in dk_heads, dv_heads."""
+    nheads_k, head_dim = dk.shape[-2:]
+    group = dk_heads.shape[-2] // nheads_k
+    for grad, heads in ((dk, dk_heads), (dv, dv_heads)):
+        grad.copy_(heads.view(*heads.shape[:-2], nheads_k, group, head_dim).sum(dim=-2))
+
+
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: Optional[float] = None,
         causal: bool = False, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention forward. q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k, head_dim),
@@ -250,23 +273,17 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     bit-for-bit repeatable (and slower)."""
     _check_bwd(dout, q, k, v, out, lse, softmax_scale, dq, dk, dv)
     batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    seqlen_k = k.shape[1]
     dout = dout if _loadable(dout) else dout.contiguous()  # gradients often arrive transposed or broadcast
     dq, dk, dv = (_new(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
     if q.numel() == 0 or seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    # The kernels write one dK/dV slice per query head. For GQA/MQA those slices are float32 and the group
-    # is summed before the one rounding to the input dtype (rounding each slice first loses accuracy).
-    grouped = nheads != nheads_k
-    dk_heads = _new(q, (batch, seqlen_k, nheads, head_dim), torch.float32) if grouped else dk
-    dv_heads = _new(q, (batch, seqlen_k, nheads, head_dim), torch.float32) if grouped else dv
+    dk_heads, dv_heads, grouped = _dkv_per_query_head(q, dk, dv)
     dq_accum = _new(q, (batch, nheads, seqlen_q, head_dim), torch.float32)
     d_sum = _new(q, (batch, nheads, seqlen_q), torch.float32)
     _launch("bwd", q, k, softmax_scale, causal,
             dict(dout=dout, q=q, k=k, v=v, out=out, dq=dq, dk=dk_heads, dv=dv_heads),
             dict(lse=lse, dq_accum=dq_accum, d_sum=d_sum), deterministic=bool(deterministic), dkv_fp32=grouped)
     if grouped:
-        group = nheads // nheads_k
-        dk.copy_(dk_heads.view(batch, seqlen_k, nheads_k, group, head_dim).sum(dim=3))
-        dv.copy_(dv_heads.view(batch, seqlen_k, nheads_k, group, head_dim).sum(dim=3))
+        _sum_groups(dk, dv, dk_heads, dv_heads)
     return dq, dk, dv

@@ -8,8 +8,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from fa2.interface import (_check_buffer, _check_device_and_build, _check_qkv, _check_tensor, _launch, _loadable,
-                           _new)
+from fa2.interface import (_check_buffer, _check_bwd_tensors, _check_device_and_build, _check_qkv, _dkv_per_query_head,
+                           _launch, _loadable, _new, _sum_groups)
 
 
 def _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
@@ -93,26 +93,16 @@ def bwd_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward over packed sequences, from fwd_varlen's out and lse (see fa2.bwd)."""
     _check_qkv(q, k, v, softmax_scale, varlen=True)
-    _check_tensor("dout", dout, dtype=q.dtype, shape=q.shape, what="like q")
-    if out is None:
-        raise TypeError("out must be the output tensor of fwd_varlen, got None")
-    _check_buffer("out", out, q, "q")
     total_q, nheads, head_dim = q.shape
-    total_k, nheads_k = k.shape[0], k.shape[1]
-    _check_tensor("lse", lse, dtype=torch.float32, shape=(nheads, total_q), what="fwd_varlen's lse")
-    if not lse.is_contiguous():
-        raise ValueError(f"lse must be contiguous, got strides {lse.stride()}: pass lse.contiguous()")
-    for name, t, like, like_name in (("dq", dq, q, "q"), ("dk", dk, k, "k"), ("dv", dv, v, "v")):
-        _check_buffer(name, t, like, like_name)
+    total_k = k.shape[0]
+    _check_bwd_tensors(dout, q, k, v, out, lse, dq, dk, dv, lse_shape=(nheads, total_q), fwd_name="fwd_varlen")
     _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_device_and_build("bwd", q, k=k, v=v, out=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv)
     dout = dout if _loadable(dout) else dout.contiguous()
     dq, dk, dv = (_new(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
     if total_q == 0 or total_k == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    grouped = nheads != nheads_k  # GQA/MQA: fp32 slices per query head, summed below (see fa2.bwd)
-    dk_heads = _new(q, (total_k, nheads, head_dim), torch.float32) if grouped else dk
-    dv_heads = _new(q, (total_k, nheads, head_dim), torch.float32) if grouped else dv
+    dk_heads, dv_heads, grouped = _dkv_per_query_head(q, dk, dv)
     dq_accum = _new(q, (nheads, total_q, head_dim), torch.float32)
     d_sum = _new(q, (nheads, total_q), torch.float32)
     _launch("bwd", q[None], k[None], softmax_scale, causal,
@@ -121,7 +111,5 @@ def bwd_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             cu_seqlens_q=cu_seqlens_q.data_ptr(), cu_seqlens_k=cu_seqlens_k.data_ptr(),
             **_varlen_sizes(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k))
     if grouped:
-        group = nheads // nheads_k
-        dk.copy_(dk_heads.view(total_k, nheads_k, group, head_dim).sum(dim=2))
-        dv.copy_(dv_heads.view(total_k, nheads_k, group, head_dim).sum(dim=2))
+        _sum_groups(dk, dv, dk_heads, dv_heads)
     return dq, dk, dv
