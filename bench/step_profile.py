@@ -16,18 +16,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import host_overhead  # noqa: E402  (bench/, this script's folder, leads sys.path)
 import train_gpt  # noqa: E402
 
 
 def per_call_us(fn, n=50):
     """(GPU us per call from a CUDA-graph replay of n calls, eager wall us per call)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / n * 1e6
+    wall = host_overhead.per_call_us(fn, n)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -20,7 +20,6 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import fa2
 
@@ -142,6 +141,8 @@ def train(attention: str, args, train_data, val_data, vocab: int) -> dict:
     autocast = torch.autocast(args.device, dtype=torch.bfloat16)
     data = batches(train_data, args.batch, args.seqlen, args.seed)
     losses, start, wall_start = [], None, time.perf_counter()
+    from tqdm import tqdm  # here, not at the top: tests/test_train.py imports this model without tqdm
+
     bar = tqdm(range(args.steps), desc=attention)
     for i in bar:
         if i == args.warmup_steps:  # from here on: steady state, compilation done

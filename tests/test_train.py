@@ -1,37 +1,21 @@
 """End to end (GPU): a tiny causal transformer trained for 50 steps with fa2.attention follows the loss
 curve of the same model trained with torch's scaled_dot_product_attention from the same initialisation."""
+import importlib.util
+import pathlib
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fa2
-
 pytestmark = pytest.mark.gpu
 
-
-def fa2_attention(q, k, v):
-    return fa2.attention(q, k, v, causal=True)
-
-
-def sdpa_attention(q, k, v):  # SDPA wants (batch, nheads, seqlen, head_dim)
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          is_causal=True).transpose(1, 2)
-
-
-class Block(nn.Module):
-    def __init__(self, dim, nheads, attention):
-        super().__init__()
-        self.nheads, self.attention = nheads, attention
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        b, s, dim = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.nheads, dim // self.nheads).unbind(2)
-        x = x + self.proj(self.attention(q, k, v).reshape(b, s, dim))  # q, k, v: strided slices
-        return x + self.mlp(self.norm2(x))
+# The model is examples/train_gpt.py's: its pre-norm Block and its two attention functions.
+_spec = importlib.util.spec_from_file_location(
+    "train_gpt", pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py")
+train_gpt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train_gpt)
+Block, fa2_attention, sdpa_attention = train_gpt.Block, train_gpt.fa2_attention, train_gpt.sdpa_attention
 
 
 def train(attention, *, steps=50, vocab=512, dim=256, nheads=4, layers=2, seqlen=256, batch=8, device="cuda"):
