@@ -6,7 +6,6 @@ an fp64 reference with FlashAttention's rule, then time fwd/bwd side by side wit
 Prints one line per check and a small timing table; exits non-zero on any failed check.
 """
 import argparse
-import math
 import sys
 
 import torch
@@ -15,7 +14,10 @@ import torch.nn.functional as F
 try:
     import fa2._C as C
 except ImportError:  # a standalone CMake build dir on PYTHONPATH
-    import _C as C
+    try:
+        import _C as C
+    except ImportError:
+        C = None  # bench/ab.py sets it to each build's module in turn
 
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -213,9 +213,18 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
   static_assert(kHeadDim % 32 == 0);
   const int rows = seqlen_q - row_offset;
   if constexpr (kStaged) {
-    // Stage layout: row-major (kBlockM, kHeadDim) floats, 16-byte chunks XOR-swizzled by row % 8 so the
-    // column-pair writes of 8 rows land in different banks.
-    auto stage_index = [](int r, int c) { return r * kHeadDim + (((c >> 2) ^ (r & 7)) << 2) + (c & 3); };
+    // Stage layout: row-major (kBlockM, kHeadDim) floats, XOR-swizzled by row % 8 so that the column-pair
+    // writes of one MMA fragment (8 rows x 8 columns, 256 bytes) take the minimum 2 wavefronts. The swizzle
+    // unit is the 32-byte block those 8 columns fill; 16-byte units left 2-way conflicts (ncu, head dim 64:
+    // 33.5M of 135M shared-store wavefronts, 1.7K after). Head dims not a multiple of 64 keep 16-byte
+    // units, so the XOR stays inside the row.
+    auto stage_index = [](int r, int c) {
+      if constexpr (kHeadDim % 64 == 0) {
+        return r * kHeadDim + (((c >> 3) ^ (r & 7)) << 3) + (c & 7);
+      } else {
+        return r * kHeadDim + (((c >> 2) ^ (r & 7)) << 2) + (c & 3);
+      }
+    };
     __syncthreads();  // every warp is done reading sP and sdS
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); i += 2) {  // (i, i+1) are columns (c, c+1) of one row
