@@ -195,8 +195,9 @@ __device__ __forceinline__ void store_acc_tile(TiledMma const& mma, Acc& acc, fl
 // Scalar atomics on the MMA layout touch half-used sectors and made the backward L2-bound. Two better
 // ways: re-tile dQ through the bytes of sP and sdS (free once the GEMMs are done) so each thread adds 4
 // consecutive floats (float4 atomics on sm90, coalesced scalars on sm80); or, on sm90, add the MMA's
-// column pairs directly as float2 atomics (4 threads fill a 32-byte sector).
-template <typename Traits, typename Acc, typename Coord>
+// column pairs directly as float2 atomics (4 threads fill a 32-byte sector). kCheckBounds = false only for
+// whole query blocks with head_dim == kHeadDim, where every row and column is in range.
+template <typename Traits, bool kCheckBounds, typename Acc, typename Coord>
 __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& coord, float* smem_stage,
                                                 float* dq_accum, int row_offset, int seqlen_q,
                                                 BwdParams const& p) {
@@ -238,7 +239,7 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
     for (int it = 0; it < kBlockM * kChunksPerRow / Traits::kNThreads; ++it) {
       const int j = it * Traits::kNThreads + threadIdx.x;
       const int r = j / kChunksPerRow, c = (j % kChunksPerRow) * 4;
-      if (r < rows && c < p.head_dim) {
+      if (!kCheckBounds || (r < rows && c < p.head_dim)) {
         const float4 v = *reinterpret_cast<const float4*>(smem_stage + stage_index(r, c));
         float* dst = dq_accum + int64_t(row_offset + r) * p.head_dim + c;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -253,7 +254,7 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); i += 2) {
       const int r = get<0>(coord(i)), c = get<1>(coord(i));
-      if (r < rows && c < p.head_dim) {
+      if (!kCheckBounds || (r < rows && c < p.head_dim)) {
         float* dst = dq_accum + int64_t(row_offset + r) * p.head_dim + c;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc_dq(i), acc_dq(i + 1)));
@@ -318,8 +319,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     const int rows = seq.seqlen_q - m_block * kBlockM;
     Tensor tQsQ = gmem_thr.partition_D(smem.tensor(smem.q(stage), typename Traits::SmemLayoutQdO{}));
     Tensor tQsdO = gmem_thr.partition_D(smem.tensor(smem.dout(stage), typename Traits::SmemLayoutQdO{}));
-    copy_tile<true>(gmem_copy, tQgQ(_, _, _, m_block), tQsQ, tQcQ, rows, p.head_dim);
-    copy_tile<true>(gmem_copy, tQgdO(_, _, _, m_block), tQsdO, tQcQ, rows, p.head_dim);
+    // Whole blocks (all but the last, when head_dim is a compiled size) skip the per-chunk row/column tests:
+    // with the unchecked dQ atomics below, +1.5-2.6% on the d128 backward (bench/NOTES.md v7).
+    if (rows >= kBlockM && p.head_dim == kHeadDim) {
+      copy(gmem_copy, tQgQ(_, _, _, m_block), tQsQ);
+      copy(gmem_copy, tQgdO(_, _, _, m_block), tQsdO);
+    } else {
+      copy_tile<true>(gmem_copy, tQgQ(_, _, _, m_block), tQsQ, tQcQ, rows, p.head_dim);
+      copy_tile<true>(gmem_copy, tQgdO(_, _, _, m_block), tQsdO, tQcQ, rows, p.head_dim);
+    }
   };
 
   // dV += P^T dO and dK += dS^T Q: P, dS, Q and dO are all read transposed (ldmatrix.trans).
@@ -378,8 +386,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
       Tensor acc_dq = partition_fragment_C(mma_dq, BlockQ{});
       clear(acc_dq);
       bwd_dq_tile<Traits>(acc_dq, sdS, sKt);
-      add_dq_to_accum<Traits>(acc_dq, tdQcdQ, reinterpret_cast<float*>(smem.p()), dq_accum, row_offset,
-                              seq.seqlen_q, p);
+      if (row_offset + kBlockM <= seq.seqlen_q && p.head_dim == kHeadDim) {  // whole block: no bounds tests
+        add_dq_to_accum<Traits, false>(acc_dq, tdQcdQ, reinterpret_cast<float*>(smem.p()), dq_accum, row_offset,
+                                       seq.seqlen_q, p);
+      } else {
+        add_dq_to_accum<Traits, true>(acc_dq, tdQcdQ, reinterpret_cast<float*>(smem.p()), dq_accum, row_offset,
+                                      seq.seqlen_q, p);
+      }
     }
 
     if (kStages == 1 && m_block + 1 < m_block_end) {
