@@ -20,10 +20,12 @@ import os
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import MODE_FLOPS  # noqa: E402  (bench/bench.py: FA2's FLOP multipliers per mode)
+
 
 def worker(args):
     sys.path.insert(0, args.worker)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch
     import torch.nn.functional as F
     import triton.testing as tt
@@ -124,7 +126,7 @@ def main():
     for key in keys:
         d, causal, n, mode = key.split(",")
         d, n = int(d), int(n)
-        fl = 4 * (16384 // n) * (2048 // d) * n * n * d / (2 if causal == "True" else 1) * (2.5 if mode == "bwd" else 1)
+        fl = 4 * (16384 // n) * (2048 // d) * n * n * d / (2 if causal == "True" else 1) * MODE_FLOPS[mode]
         cols = []
         for nm in names:
             if (nm, key) not in best:
