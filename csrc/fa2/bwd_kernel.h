@@ -97,7 +97,7 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
                                          const float* d_sum, int row_offset, int col_offset, int seqlen_q,
                                          int seqlen_k) {
   using Element = typename Traits::Element;
-  using BlockS = Shape<Int<Traits::kBlockM>, Int<Traits::kBlockN>>;
+  using BlockS = Shape<Int<Traits::kBlockMSdP>, Int<Traits::kBlockN>>;
   const int tid = threadIdx.x;
   typename Traits::TiledMmaSdP mma;
   auto thr_mma = mma.get_thread_slice(tid);
@@ -105,7 +105,7 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
   auto copy_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma);
   auto thr_a = copy_a.get_thread_slice(tid);
   auto thr_b = copy_b.get_thread_slice(tid);
-  Tensor tSrQ = thr_mma.partition_fragment_A(fragment_shape<Element, Traits::kBlockM, Traits::kHeadDim>());
+  Tensor tSrQ = thr_mma.partition_fragment_A(fragment_shape<Element, Traits::kBlockMSdP, Traits::kHeadDim>());
   Tensor tSrK = thr_mma.partition_fragment_B(fragment_shape<Element, Traits::kBlockN, Traits::kHeadDim>());
   Tensor tScS = thr_mma.partition_C(make_identity_tensor(BlockS{}));
 
@@ -150,6 +150,25 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
   auto thr_pds = copy_pds.get_thread_slice(tid);
   copy(copy_pds, thr_pds.retile_S(convert_type<Element>(acc_s)), thr_pds.partition_D(sP));
   copy(copy_pds, thr_pds.retile_S(convert_type<Element>(acc_dp)), thr_pds.partition_D(sdS));
+}
+
+// S, P, dP and dS for a query block, kBlockMSdP rows at a time (traits.h): the row slabs of sQ, sdO,
+// sP and sdS are sub-tiles of the block's.
+template <typename Traits, typename SmemQ, typename SmemKV, typename SmemPdS>
+__device__ __forceinline__ void bwd_p_ds_block(BwdParams const& p, SmemQ const& sQ, SmemQ const& sdO,
+                                               SmemKV const& sK, SmemKV const& sV, SmemPdS& sP, SmemPdS& sdS,
+                                               const float* lse, const float* d_sum, int row_offset,
+                                               int col_offset, int seqlen_q, int seqlen_k) {
+  constexpr int kSlab = Traits::kBlockMSdP;
+  using SlabQ = Shape<Int<kSlab>, Int<Traits::kHeadDim>>;
+  using SlabS = Shape<Int<kSlab>, Int<Traits::kBlockN>>;
+  CUTE_UNROLL
+  for (int h = 0; h < Traits::kBlockM / kSlab; ++h) {
+    Tensor sP_h = local_tile(sP, SlabS{}, make_coord(h, 0));
+    Tensor sdS_h = local_tile(sdS, SlabS{}, make_coord(h, 0));
+    bwd_p_ds<Traits>(p, local_tile(sQ, SlabQ{}, make_coord(h, 0)), local_tile(sdO, SlabQ{}, make_coord(h, 0)), sK,
+                     sV, sP_h, sdS_h, lse, d_sum, row_offset + h * kSlab, col_offset, seqlen_q, seqlen_k);
+  }
 }
 
 // acc_dq += dS K for one tile (dS and K both from shared memory; K read transposed).
@@ -213,6 +232,10 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
       2 * Traits::kPdSElems * sizeof(typename Traits::Element) >= kBlockM * kHeadDim * sizeof(float);
   static_assert(kHeadDim % 32 == 0);
   const int rows = seqlen_q - row_offset;
+  // Row stride of the accumulator, a constant on whole blocks: there every atomic's address is one base
+  // register plus an immediate, instead of a 64-bit multiply-add per atomic.
+  const int ld = kCheckBounds ? p.head_dim : kHeadDim;
+  float* dq_rows = dq_accum + int64_t(row_offset) * ld;
   if constexpr (kStaged) {
     // Stage layout: row-major (kBlockM, kHeadDim) floats, XOR-swizzled by row % 8 so that the column-pair
     // writes of one MMA fragment (8 rows x 8 columns, 256 bytes) take the minimum 2 wavefronts. The swizzle
@@ -234,14 +257,16 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
     }
     __syncthreads();
     constexpr int kChunksPerRow = kHeadDim / 4;
-    static_assert(kBlockM * kChunksPerRow % Traits::kNThreads == 0);
+    constexpr int kRowsPerPass = Traits::kNThreads / kChunksPerRow;
+    static_assert(Traits::kNThreads % kChunksPerRow == 0 && kBlockM % kRowsPerPass == 0);
+    const int r0 = threadIdx.x / kChunksPerRow, c = (threadIdx.x % kChunksPerRow) * 4;
+    float* thr_dst = dq_rows + r0 * ld + c;
     CUTE_UNROLL
-    for (int it = 0; it < kBlockM * kChunksPerRow / Traits::kNThreads; ++it) {
-      const int j = it * Traits::kNThreads + threadIdx.x;
-      const int r = j / kChunksPerRow, c = (j % kChunksPerRow) * 4;
+    for (int it = 0; it < kBlockM / kRowsPerPass; ++it) {
+      const int r = r0 + it * kRowsPerPass;
       if (!kCheckBounds || (r < rows && c < p.head_dim)) {
         const float4 v = *reinterpret_cast<const float4*>(smem_stage + stage_index(r, c));
-        float* dst = dq_accum + int64_t(row_offset + r) * p.head_dim + c;
+        float* dst = thr_dst + it * kRowsPerPass * ld;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         atomicAdd(reinterpret_cast<float4*>(dst), v);
 #else
@@ -255,6 +280,7 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
     for (int i = 0; i < size(acc_dq); i += 2) {
       const int r = get<0>(coord(i)), c = get<1>(coord(i));
       if (!kCheckBounds || (r < rows && c < p.head_dim)) {
+        // (dq_rows + r * ld + c here was 0-1.5% slower at head_dim 128, bench/NOTES.md v8.)
         float* dst = dq_accum + int64_t(row_offset + r) * p.head_dim + c;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc_dq(i), acc_dq(i + 1)));
@@ -373,7 +399,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
       cp_async_fence();
     }
 
-    bwd_p_ds<Traits>(p, sQ, sdO, sK, sV, sP, sdS, lse, d_sum, row_offset, col_offset, seq.seqlen_q, seq.seqlen_k);
+    bwd_p_ds_block<Traits>(p, sQ, sdO, sK, sV, sP, sdS, lse, d_sum, row_offset, col_offset, seq.seqlen_q,
+                           seq.seqlen_k);
     __syncthreads();  // sP and sdS complete: every warp reads all of them below
 
     gemm_ss(mma_dkv, acc_dv, tdKVrA, tdKVrB, tdVsPt, thr_b_dkv.partition_S(sdOt), copy_a_dkv, copy_b_dkv, thr_a_dkv,
@@ -491,8 +518,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const __gr
     cp_async_fence();
     cp_async_wait<0>();
     __syncthreads();
-    bwd_p_ds<Traits>(p, sQ, sdO, sK, sV, sP, sdS, p.lse + seq.stats_row, p.d_sum + seq.stats_row, row_offset,
-                     col_offset, seq.seqlen_q, seq.seqlen_k);
+    bwd_p_ds_block<Traits>(p, sQ, sdO, sK, sV, sP, sdS, p.lse + seq.stats_row, p.d_sum + seq.stats_row,
+                           row_offset, col_offset, seq.seqlen_q, seq.seqlen_k);
     __syncthreads();
     bwd_dq_tile<Traits>(acc_dq, sdS, sKt);
   }

@@ -12,9 +12,11 @@ namespace fa2 {
 
 // (kBlockM, kBlockN, Q/dO stages) per head dim. dK and dV live in registers for the whole CTA
 // (2 * kBlockN * head_dim / 256 floats per thread), so wide heads get narrower key blocks, and a single
-// Q/dO buffer keeps shared memory under the 163 KB an A100 allows per block.
+// Q/dO buffer keeps shared memory under the 163 KB an A100 allows per block. head_dim 64 takes 128 query
+// rows per block (S/dP in two 64-row passes, traits.h): the dQ GEMM's warps get 32 x 32 slabs and a block
+// pays its barriers once per 128 rows, +3-7% on the H100 over 64 rows (bench/NOTES.md v8); 160 KB of smem.
 template <int kHeadDim> struct BwdConfig {
-  static constexpr int kBlockM = 64;
+  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kStages = kHeadDim <= 128 ? 2 : 1;
 };

@@ -94,9 +94,9 @@ struct FwdTraits : BaseTraits<kHeadDim_, kNWarps_, kDType> {
 
 // Backward: a CTA owns one K/V block (kBlockN keys) and walks the query blocks. Eight warps; each GEMM
 // gets its own warp arrangement so every warp has a 32-row-or-wider slab of its output:
-//   S = Q K^T, dP = dO V^T   (kBlockM x kBlockN):  2 x 4 warps
+//   S = Q K^T, dP = dO V^T   (64 x kBlockN per pass):  2 x 4 warps
 //   dV += P^T dO, dK += dS^T Q (kBlockN x head_dim): 4 x 2 warps (2 x 4 for 64-key blocks)
-//   dQ = dS K                 (kBlockM x head_dim): 2 x 4 warps (4 x 2 when head_dim % 64 != 0)
+//   dQ = dS K                 (kBlockM x head_dim): 2 x 4 warps (4 x 2 for 128-row blocks or head_dim % 64 != 0)
 // P and dS go through shared memory: dV and dK need them transposed (ldmatrix.trans reads them back).
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, DType kDType>
 struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
@@ -110,16 +110,18 @@ struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
   static constexpr int kStages = kStages_;  // Q/dO buffers: 2 overlaps the next load with this block's math
   static_assert(kStages == 1 || kStages == 2);
 
-  using TiledMmaSdP = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>;
+  using Mma2x4 = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>;
+  using Mma4x2 = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
+  // S and dP are computed 64 rows at a time (a 128-row block takes two passes): a 64 x 128 accumulator is
+  // what fits in registers beside dK and dV.
+  static constexpr int kBlockMSdP = 64;
+  static_assert(kBlockM_ % kBlockMSdP == 0);
+  using TiledMmaSdP = Mma2x4;
   // With 64-key blocks, 4 x 2 would give each warp a 16 x head_dim slab that re-reads all of dO^T / Q^T.
-  using TiledMmadKV = std::conditional_t<
-      kBlockN_ == 64 && kHeadDim % 64 == 0,
-      TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>,
-      TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>>;
-  // 32-row warp slabs read 16 KB of dS/K per warp and tile, 16-row slabs 20 KB (shared memory bandwidth).
-  using TiledMmadQ = std::conditional_t<
-      kHeadDim % 64 == 0, TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>,
-      TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>>;
+  using TiledMmadKV = std::conditional_t<kBlockN_ == 64 && kHeadDim % 64 == 0, Mma2x4, Mma4x2>;
+  // 32-row warp slabs read 16 KB of dS/K per warp and tile, 16-row slabs 20 KB (shared memory bandwidth);
+  // a 128 x 64 block on 4 x 2 warps reads 16 KB per warp for twice the rows.
+  using TiledMmadQ = std::conditional_t<kHeadDim % 64 == 0 && kBlockM_ == 64, Mma2x4, Mma4x2>;
 
   using SmemLayoutQdO = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
