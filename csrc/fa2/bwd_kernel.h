@@ -19,49 +19,63 @@
 namespace fa2 {
 using namespace cute;
 
-// One warp per (batch, head, row): 16-byte loads of dO and O, fp32 dot product.
+// The two row-wise kernels (preprocess, convert) give each row of Q the fewest lanes that cover it in
+// 16-byte chunks, a power of two (64-dim rows: 8 lanes, 4 rows per warp), so no lane idles on a short row.
+// One warp per row left 3/4 of the lanes idle at head_dim 64 (bench/NOTES.md v8).
+__host__ __device__ constexpr int row_lanes(int head_dim) {
+  int lanes = 1;
+  while (lanes < 32 && lanes * 8 < head_dim) lanes *= 2;
+  return lanes;
+}
+constexpr int kRowKernelWarps = 4;
+
+// D = rowsum(dO * O) in fp32, and the fp32 dQ accumulator zeroed (atomics add into it).
 template <typename Element>
 __global__ void bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = blockIdx.x * (blockDim.x / 32) + warp;
+  const int lanes = row_lanes(p.head_dim), lane = threadIdx.x % 32, sub = lane % lanes;
+  const int row = (blockIdx.x * kRowKernelWarps + threadIdx.x / 32) * (32 / lanes) + lane / lanes;
   const int head = blockIdx.y, batch = blockIdx.z;
   const SeqInfo seq(p, batch, head);
-  if (row >= seq.seqlen_q) return;
-  const Element* dout = &seq.q_tensor<8, const Element>(p.dout, p.dout_stride, batch, head)(row, 0);
-  const Element* out = &seq.q_tensor<8, const Element>(p.o, p.o_stride, batch, head)(row, 0);
+  const bool valid = row < seq.seqlen_q;
   float dot = 0.f;
-  for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
-    const uint4 a = *reinterpret_cast<const uint4*>(dout + c);
-    const uint4 b = *reinterpret_cast<const uint4*>(out + c);
-    const Element* ea = reinterpret_cast<const Element*>(&a);
-    const Element* eb = reinterpret_cast<const Element*>(&b);
-    CUTE_UNROLL
-    for (int i = 0; i < 8; ++i) dot += float(ea[i]) * float(eb[i]);
+  if (valid) {
+    const Element* dout = &seq.q_tensor<8, const Element>(p.dout, p.dout_stride, batch, head)(row, 0);
+    const Element* out = &seq.q_tensor<8, const Element>(p.o, p.o_stride, batch, head)(row, 0);
+    for (int c = sub * 8; c < p.head_dim; c += lanes * 8) {
+      const uint4 a = *reinterpret_cast<const uint4*>(dout + c);
+      const uint4 b = *reinterpret_cast<const uint4*>(out + c);
+      const Element* ea = reinterpret_cast<const Element*>(&a);
+      const Element* eb = reinterpret_cast<const Element*>(&b);
+      CUTE_UNROLL
+      for (int i = 0; i < 8; ++i) dot += float(ea[i]) * float(eb[i]);
+    }
   }
-  CUTE_UNROLL
-  for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffff, dot, offset);
+  for (int offset = lanes / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffff, dot, offset);
+  if (!valid) return;
   const int64_t bh_row = seq.stats_row + row;
-  if (lane == 0) p.d_sum[bh_row] = dot;
+  if (sub == 0) p.d_sum[bh_row] = dot;
   if (p.deterministic) return;  // dQ comes from bwd_dq_kernel; the accumulator is unused
   float* dq_accum = p.dq_accum + bh_row * p.head_dim;
-  for (int c = lane * 4; c < p.head_dim; c += 32 * 4) *reinterpret_cast<float4*>(dq_accum + c) = float4{0, 0, 0, 0};
+  for (int c = sub * 4; c < p.head_dim; c += lanes * 4) *reinterpret_cast<float4*>(dq_accum + c) = float4{0, 0, 0, 0};
 }
 
+// dQ = softmax_scale * dQ_accum in the input dtype: 8 floats in, one 16-byte store out per lane and step.
 template <typename Element>
 __global__ void bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = blockIdx.x * (blockDim.x / 32) + warp;
+  const int lanes = row_lanes(p.head_dim), lane = threadIdx.x % 32, sub = lane % lanes;
+  const int row = (blockIdx.x * kRowKernelWarps + threadIdx.x / 32) * (32 / lanes) + lane / lanes;
   const int head = blockIdx.y, batch = blockIdx.z;
   const SeqInfo seq(p, batch, head);
   if (row >= seq.seqlen_q) return;
   const float* acc = p.dq_accum + (seq.stats_row + row) * p.head_dim;
   Element* dq = &seq.q_tensor<8, Element>(p.dq, p.dq_stride, batch, head)(row, 0);
-  for (int c = lane * 4; c < p.head_dim; c += 32 * 4) {
+  for (int c = sub * 8; c < p.head_dim; c += lanes * 8) {
     const float4 a = *reinterpret_cast<const float4*>(acc + c);
-    dq[c + 0] = Element(a.x * p.softmax_scale);
-    dq[c + 1] = Element(a.y * p.softmax_scale);
-    dq[c + 2] = Element(a.z * p.softmax_scale);
-    dq[c + 3] = Element(a.w * p.softmax_scale);
+    const float4 b = *reinterpret_cast<const float4*>(acc + c + 4);
+    const float s = p.softmax_scale;
+    const Element e[8] = {Element(a.x * s), Element(a.y * s), Element(a.z * s), Element(a.w * s),
+                          Element(b.x * s), Element(b.y * s), Element(b.z * s), Element(b.w * s)};
+    *reinterpret_cast<uint4*>(dq + c) = *reinterpret_cast<const uint4*>(e);
   }
 }
 

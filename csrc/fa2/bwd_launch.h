@@ -26,10 +26,10 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
   using Config = BwdConfig<kHeadDim>;
   using Traits = BwdTraits<kHeadDim, Config::kBlockM, Config::kBlockN, Config::kStages, kDType>;
   using Element = typename Traits::Element;
-  constexpr int kRowsPerCta = 4;  // preprocess / convert: one warp per row
-  const dim3 row_grid(ceil_div_host(p.seqlen_q, kRowsPerCta), p.nheads, p.batch);
+  const int rows_per_cta = kRowKernelWarps * (32 / row_lanes(p.head_dim));  // preprocess / convert
+  const dim3 row_grid(ceil_div_host(p.seqlen_q, rows_per_cta), p.nheads, p.batch);
 
-  bwd_preprocess_kernel<Element><<<row_grid, 32 * kRowsPerCta, 0, stream>>>(p);
+  bwd_preprocess_kernel<Element><<<row_grid, 32 * kRowKernelWarps, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "bwd preprocess launch");
 
   constexpr int smem = Traits::kSmemSize;
@@ -44,7 +44,7 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
     bwd_dq_kernel<Traits><<<grid_dq, Traits::kNThreads, smem, stream>>>(p);
     check_cuda(cudaGetLastError(), "bwd dq launch");
   } else {
-    bwd_convert_dq_kernel<Element><<<row_grid, 32 * kRowsPerCta, 0, stream>>>(p);
+    bwd_convert_dq_kernel<Element><<<row_grid, 32 * kRowKernelWarps, 0, stream>>>(p);
     check_cuda(cudaGetLastError(), "bwd convert launch");
   }
 }
