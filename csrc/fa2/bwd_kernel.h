@@ -91,6 +91,13 @@ struct BwdSmem {
   __device__ Element* v() const { return k() + Traits::kKVElems; }
   __device__ Element* p() const { return v() + Traits::kKVElems; }
   __device__ Element* ds() const { return p() + Traits::kPdSElems; }
+  // Where dQ is re-tiled for the atomics: the warps' own slabs past kSmemSize on sm90, else sP and sdS.
+  __device__ float* dq_stage() const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if constexpr (Traits::kDqWarpSlabs) return reinterpret_cast<float*>(ds() + Traits::kPdSElems);
+#endif
+    return reinterpret_cast<float*>(p());
+  }
   template <typename Layout>
   __device__ static auto tensor(Element* ptr, Layout layout) { return make_tensor(make_smem_ptr(ptr), layout); }
 };
@@ -240,8 +247,10 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
 #else
   constexpr bool kVectorAtomics = false;
 #endif
-  // Measured on the H100 (bench/NOTES.md): staging wins for head_dim 64, direct float2 atomics (which
-  // already fill whole 32-byte sectors) win for 128, where the staging's barriers and smem traffic cost more.
+  // Measured on the H100 (bench/NOTES.md v4, v8): where the warps own 32 x 32 slabs (d64, d128), each warp
+  // re-tiles its own slab, which beat both alternatives by 4-8%; elsewhere CTA-wide staging wins at
+  // head_dim <= 64 and direct float2 atomics (which already fill whole 32-byte sectors) above, where the
+  // staging's two barriers and smem traffic cost more.
   constexpr bool kStaged = (!kVectorAtomics || kHeadDim <= 64) &&
       2 * Traits::kPdSElems * sizeof(typename Traits::Element) >= kBlockM * kHeadDim * sizeof(float);
   static_assert(kHeadDim % 32 == 0);
@@ -250,6 +259,38 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
   // register plus an immediate, instead of a 64-bit multiply-add per atomic.
   const int ld = kCheckBounds ? p.head_dim : kHeadDim;
   float* dq_rows = dq_accum + int64_t(row_offset) * ld;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (Traits::kDqWarpSlabs) {
+    // Each warp re-tiles its own 32 x 32 slab (traits.h) in its own 4 KB past the block's shared memory,
+    // so only the warp synchronises: no CTA barrier before or after. Rows are 128 bytes with the 32-byte
+    // blocks XOR-swizzled by row % 4: the fragment's float2 writes (8 rows x 32 bytes) take 2 wavefronts,
+    // the float4 reads 4 per 512 bytes, and each float4 atomic instruction covers 4 rows x 128 contiguous
+    // bytes, as the CTA-wide re-tiling does.
+    constexpr int kSlab = 32;
+    static_assert(kBlockM * kHeadDim == 8 * kSlab * kSlab);
+    const int lane = threadIdx.x % 32;
+    float* stage = smem_stage + (threadIdx.x / 32) * (kSlab * kSlab);
+    const int row0 = get<0>(coord(0)) / kSlab * kSlab, col0 = get<1>(coord(0)) / kSlab * kSlab;
+    auto stage_index = [](int r, int c) { return r * kSlab + ((((c >> 3) ^ r) & 3) << 3) + (c & 7); };
+    __syncwarp();  // this warp is done reading its previous slab
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); i += 2) {  // (i, i+1) are columns (c, c+1) of one row
+      const int r = get<0>(coord(i)) - row0, c = get<1>(coord(i)) - col0;
+      *reinterpret_cast<float2*>(stage + stage_index(r, c)) = make_float2(acc_dq(i), acc_dq(i + 1));
+    }
+    __syncwarp();
+    const int r_lane = lane / (kSlab / 4), c = (lane % (kSlab / 4)) * 4;
+    float* thr_dst = dq_rows + (row0 + r_lane) * ld + col0 + c;
+    CUTE_UNROLL
+    for (int it = 0; it < kSlab * kSlab / 4 / 32; ++it) {
+      const int r = r_lane + it * (32 * 4 / kSlab);
+      if (!kCheckBounds || (row0 + r < rows && col0 + c < p.head_dim)) {
+        const float4 v = *reinterpret_cast<const float4*>(stage + stage_index(r, c));
+        atomicAdd(reinterpret_cast<float4*>(thr_dst + it * (32 * 4 / kSlab) * ld), v);
+      }
+    }
+  } else
+#endif
   if constexpr (kStaged) {
     // Stage layout: row-major (kBlockM, kHeadDim) floats, XOR-swizzled by row % 8 so that the column-pair
     // writes of one MMA fragment (8 rows x 8 columns, 256 bytes) take the minimum 2 wavefronts. The swizzle
@@ -428,10 +469,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
       clear(acc_dq);
       bwd_dq_tile<Traits>(acc_dq, sdS, sKt);
       if (row_offset + kBlockM <= seq.seqlen_q && p.head_dim == kHeadDim) {  // whole block: no bounds tests
-        add_dq_to_accum<Traits, false>(acc_dq, tdQcdQ, reinterpret_cast<float*>(smem.p()), dq_accum, row_offset,
+        add_dq_to_accum<Traits, false>(acc_dq, tdQcdQ, smem.dq_stage(), dq_accum, row_offset,
                                        seq.seqlen_q, p);
       } else {
-        add_dq_to_accum<Traits, true>(acc_dq, tdQcdQ, reinterpret_cast<float*>(smem.p()), dq_accum, row_offset,
+        add_dq_to_accum<Traits, true>(acc_dq, tdQcdQ, smem.dq_stage(), dq_accum, row_offset,
                                       seq.seqlen_q, p);
       }
     }

@@ -14,7 +14,8 @@ namespace fa2 {
 // (2 * kBlockN * head_dim / 256 floats per thread), so wide heads get narrower key blocks, and a single
 // Q/dO buffer keeps shared memory under the 163 KB an A100 allows per block. head_dim 64 takes 128 query
 // rows per block (S/dP in two 64-row passes, traits.h): the dQ GEMM's warps get 32 x 32 slabs and a block
-// pays its barriers once per 128 rows, +3-7% on the H100 over 64 rows (bench/NOTES.md v8); 160 KB of smem.
+// pays its barriers once per 128 rows, +3-7% on the H100 over 64 rows (bench/NOTES.md v8); 160 KB of smem
+// (192 KB on sm90, with the warps' own dQ slabs).
 template <int kHeadDim> struct BwdConfig {
   static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
@@ -32,7 +33,7 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
   bwd_preprocess_kernel<Element><<<row_grid, 32 * kRowKernelWarps, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "bwd preprocess launch");
 
-  constexpr int smem = Traits::kSmemSize;
+  const int smem = Traits::kSmemSize + (device_cc_major() >= 9 ? Traits::kDqWarpStageBytes : 0);
   allow_smem<&bwd_kernel<Traits>>(smem, "bwd smem");
   const dim3 grid(ceil_div_host(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
   bwd_kernel<Traits><<<grid, Traits::kNThreads, smem, stream>>>(p);

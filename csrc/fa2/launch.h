@@ -36,6 +36,24 @@ void allow_smem(int smem, const char* what) {
   done.fetch_or(bit, std::memory_order_relaxed);
 }
 
+// Compute capability major of the current device, queried once per device.
+inline int device_cc_major() {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  static std::atomic<int> cc[64] = {};
+  if (device >= 64) {
+    int major = 0;
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
+    return major;
+  }
+  int major = cc[device].load(std::memory_order_relaxed);
+  if (major == 0) {
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
+    cc[device].store(major, std::memory_order_relaxed);
+  }
+  return major;
+}
+
 template <int kHeadDim, DType kDType> void run_fwd(const FwdParams& p, cudaStream_t stream);
 template <int kHeadDim, DType kDType> void run_bwd(const BwdParams& p, cudaStream_t stream);
 

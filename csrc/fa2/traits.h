@@ -121,7 +121,17 @@ struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
   using TiledMmadKV = std::conditional_t<kBlockN_ == 64 && kHeadDim % 64 == 0, Mma2x4, Mma4x2>;
   // 32-row warp slabs read 16 KB of dS/K per warp and tile, 16-row slabs 20 KB (shared memory bandwidth);
   // a 128 x 64 block on 4 x 2 warps reads 16 KB per warp for twice the rows.
-  using TiledMmadQ = std::conditional_t<kHeadDim % 64 == 0 && kBlockM_ == 64, Mma2x4, Mma4x2>;
+  // Blocks of 8192 dQ elements (d64 x 128 rows, d128 x 64 rows): the 8 warps' dQ slabs are contiguous
+  // 32 x 32 squares. The permutations put warp (m, n) on rows [32m, 32m + 32) and columns [32n, 32n + 32)
+  // instead of interleaved 16-row and 8-column groups, so on sm90 each warp re-tiles its own slab for the
+  // atomics (add_dq_to_accum).
+  static constexpr bool kDqWarpSlabs = kBlockM_ * kHeadDim == 8 * 32 * 32;
+  static constexpr int kSlabWarpsM = kBlockM_ / 32, kSlabWarpsN = 8 / kSlabWarpsM;
+  using MmadQSlabs = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<Int<kSlabWarpsM>, Int<kSlabWarpsN>, _1>>,
+                              Tile<Layout<Shape<_16, Int<kSlabWarpsM>, _2>, Stride<_1, _32, _16>>,
+                                   Layout<Shape<_8, Int<kSlabWarpsN>, _4>, Stride<_1, _32, _8>>, _16>>;
+  using TiledMmadQ = std::conditional_t<kDqWarpSlabs, MmadQSlabs,
+                                        std::conditional_t<kHeadDim % 64 == 0 && kBlockM_ == 64, Mma2x4, Mma4x2>>;
 
   using SmemLayoutQdO = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
@@ -140,6 +150,9 @@ struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
   static constexpr int kKVElems = cosize(SmemLayoutKV{});
   static constexpr int kPdSElems = cosize(SmemLayoutPdS{});
   static constexpr int kSmemSize = (2 * kStages * kQdOElems + 2 * kKVElems + 2 * kPdSElems) * int(sizeof(Element));
+  // Extra bytes past kSmemSize for the warps' own dQ slabs, launched only on devices with cc >= 9 (227 KB
+  // per block); sm80 code re-tiles in the bytes of sP and sdS instead (an A100 allows 163 KB).
+  static constexpr int kDqWarpStageBytes = kDqWarpSlabs ? kBlockM * kHeadDim * int(sizeof(float)) : 0;
 };
 
 }  // namespace fa2
