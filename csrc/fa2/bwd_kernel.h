@@ -232,11 +232,13 @@ __device__ __forceinline__ void store_acc_tile(TiledMma const& mma, Acc& acc, fl
 }
 
 // Add one key block's share of dQ (acc_dq, fp32, MMA layout) into the global accumulator with atomics.
-// Scalar atomics on the MMA layout touch half-used sectors and made the backward L2-bound. Two better
-// ways: re-tile dQ through the bytes of sP and sdS (free once the GEMMs are done) so each thread adds 4
-// consecutive floats (float4 atomics on sm90, coalesced scalars on sm80); or, on sm90, add the MMA's
-// column pairs directly as float2 atomics (4 threads fill a 32-byte sector). kCheckBounds = false only for
-// whole query blocks with head_dim == kHeadDim, where every row and column is in range.
+// Scalar atomics on the MMA layout touch half-used sectors and made the backward L2-bound. Three better
+// ways: on sm90, where each warp owns a 32 x 32 dQ slab, the warp re-tiles its slab alone into float4 rows
+// (no CTA barrier); else re-tile dQ CTA-wide through the bytes of sP and sdS (free once the GEMMs are done)
+// so each thread adds 4 consecutive floats (float4 atomics on sm90, coalesced scalars on sm80); or, on
+// sm90, add the MMA's column pairs directly as float2 atomics (4 threads fill a 32-byte sector).
+// kCheckBounds = false only for whole query blocks with head_dim == kHeadDim, where every row and column
+// is in range.
 template <typename Traits, bool kCheckBounds, typename Acc, typename Coord>
 __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& coord, float* smem_stage,
                                                 float* dq_accum, int row_offset, int seqlen_q,
@@ -335,7 +337,7 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
     for (int i = 0; i < size(acc_dq); i += 2) {
       const int r = get<0>(coord(i)), c = get<1>(coord(i));
       if (!kCheckBounds || (r < rows && c < p.head_dim)) {
-        // (dq_rows + r * ld + c here was 0-1.5% slower at head_dim 128, bench/NOTES.md v8.)
+        // (dq_rows + r * ld + c here was 0-1.5% slower at head_dim 128, when d128 took this path; v8.)
         float* dst = dq_accum + int64_t(row_offset + r) * p.head_dim + c;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc_dq(i), acc_dq(i + 1)));
