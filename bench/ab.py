@@ -35,16 +35,21 @@ def worker(args):
     import kernel_check as kc
     kc.C = _C  # this build's module, even where an installed fa2 is importable
     assert os.path.dirname(os.path.abspath(_C.__file__)) == os.path.abspath(args.worker), _C.__file__
-    have = set(kc.C.build_info()["bwd_head_dims"])
+    # A forward-only A/B may use forward-only builds (FA2_KINDS=fwd).
+    have = set(kc.C.build_info()["fwd_head_dims" if args.modes == "fwd" else "bwd_head_dims"])
     hdims = [d for d in map(int, args.hdims.split(",")) if d in have]
     out = {"ok": True, "times": {}}
     if args.check:
-        out["ok"] = bool(kc.correctness(hdims, [args.dtype], quick=True))
+        fwd_only = args.modes == "fwd"
+        out["ok"] = bool(kc.correctness(hdims, [args.dtype], quick=True, bwd=not fwd_only))
         # The kernel this build launches, by name (tile shapes are in the name).
         q, k, v = (torch.randn(1, 256, 2, hdims[0], device="cuda", dtype=kc.DT[args.dtype]) for _ in range(3))
         o, lse = kc.call_fwd(q, k, v, False, 1.0)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            kc.call_bwd(torch.randn_like(q), q, k, v, o, lse, False, 1.0)
+            if fwd_only:
+                kc.call_fwd(q, k, v, False, 1.0)
+            else:
+                kc.call_bwd(torch.randn_like(q), q, k, v, o, lse, False, 1.0)
             torch.cuda.synchronize()
         out["kernels"] = sorted({e.name for e in prof.events() if "bwd_kernel" in e.name or "fwd_kernel" in e.name})
     dt = kc.DT[args.dtype]
@@ -66,11 +71,13 @@ def worker(args):
                         def flash():
                             with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                                 F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                        ours = lambda: kc.call_fwd(q, k, v, causal, scale)  # noqa: E731
+                        into = (torch.empty_like(o), torch.empty_like(lse))
+                        ours = lambda: kc.call_fwd(q, k, v, causal, scale, into=into)  # noqa: E731
                     else:
                         def flash():
                             torch.autograd.grad(ot, (qt, kt, vt), do.transpose(1, 2), retain_graph=True)
-                        ours = lambda: kc.call_bwd(do, q, k, v, o, lse, causal, scale)  # noqa: E731
+                        into = kc.bwd_buffers(q, k)
+                        ours = lambda: kc.call_bwd(do, q, k, v, o, lse, causal, scale, into=into)  # noqa: E731
                     key = f"{d},{causal},{n},{mode}"
                     out["times"][key] = [tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
                                          for fn in (flash, ours)]

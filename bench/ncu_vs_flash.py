@@ -1,4 +1,5 @@
-"""One fa2 backward and one SDPA-flash backward per head dim, for Nsight Compute to put side by side:
+"""One fa2 backward and one SDPA-flash backward per head dim (or, with --mode fwd, one forward each), for
+Nsight Compute to put side by side:
 
     ncu --clock-control none --kernel-name-base demangled --kernel-name "regex:bwd_kernel|dq_dk_dv" \\
         --section SpeedOfLight --section WarpStateStats --section LaunchStats \\
@@ -25,6 +26,8 @@ def main():
     ap.add_argument("--hdims", default="64,128")
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--mode", choices=("fwd", "bwd"), default="bwd",
+                    help="fwd: run the forwards only (filter: regex:fwd_kernel|flash_fwd)")
     a = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if a.build:
@@ -41,6 +44,8 @@ def main():
         qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             ot = F.scaled_dot_product_attention(qt, kt, vt, is_causal=a.causal)
+        if a.mode == "fwd":
+            continue
         kc.call_bwd(do, q, k, v, o, lse, a.causal, d ** -0.5)
         torch.autograd.grad(ot, (qt, kt, vt), do.transpose(1, 2), retain_graph=True)
     torch.cuda.synchronize()
