@@ -19,7 +19,8 @@ cd "$(dirname "$0")/../.."
 out=$OUT/v9-$mode && mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps .whl/*.whl
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1
-mkdir -p build/src-base && cp -r CMakeLists.txt pyproject.toml csrc python build/src-base/
+rm -f csrc/fa2/schedule.h  # the one file the patch creates, in case an earlier call left it on the machine
+rm -rf build/src-base && mkdir -p build/src-base && cp -r CMakeLists.txt pyproject.toml csrc python build/src-base/
 git apply bench/experiments/v9-fwd.patch 2>"$out/apply.err" || patch -p1 < bench/experiments/v9-fwd.patch \
   || { echo "patch does not apply"; cat "$out/apply.err"; exit 2; }
 
