@@ -34,8 +34,8 @@ build() {  # name src kinds "flags"
 if [ "$mode" = ab ]; then
   t0=$SECONDS
   build base build/src-base fwd "" & build v9 . fwd "" & build v9s2 . fwd "-DFA2_FWD_STAGES=2" &
-  build v9pipe . fwd "-DFA2_FWD_STAGES=2 -DFA2_FWD_PIPE=1" & build bbase build/src-base bwd "" &
-  build bgrp . bwd "-DFA2_BWD_HEAD_GROUP=1" & wait
+  build v9pipe . fwd "-DFA2_FWD_STAGES=2 -DFA2_FWD_PIPE=1" & build bbase build/src-base fwd,bwd "" &
+  build bgrp . fwd,bwd "-DFA2_BWD_HEAD_GROUP=1" & wait
   echo "builds: $((SECONDS - t0)) s"
   for f in "$out"/build-*.log; do echo "== $f"; grep -E "Compiling entry|registers|spill stores" "$f"; done > "$out/ptxas.txt"
   timeout 260 python3 bench/ab.py --builds base=build/base,v9=build/v9,v9s2=build/v9s2,v9pipe=build/v9pipe \
