@@ -4,6 +4,7 @@
 #
 #   run(command="bash bench/experiments/v9-verify.sh ab",   carry=[".whl"])   # ~8 min
 #   run(command="bash bench/experiments/v9-verify.sh full", carry=[".whl"])   # ~7 min
+#   run(command="bash bench/experiments/v9-verify.sh sweep", carry=[".whl"])  # ~4 min
 #
 # ab:   forward-only builds (64/128 bf16, sm90) of the tree before the patch ("base"), the patch as it is
 #       ("v9": one K/V stage, lazy rescale, causal head groups), with two K/V stages ("v9s2") and with the
@@ -12,6 +13,9 @@
 #       --set full of the v9 forward next to FA2's (d64 and d128, 4k).
 # full: the patched tree installed with FA2_CUDA_ARCHS=90 (all head dims, both dtypes), the GPU test suite,
 #       compute-sanitizer memcheck and racecheck, and bench/bench.py --hdims 64,128 with its plot.
+# sweep: the rest of the performance issue's shapes on the patched tree (head dims 96 and 256 only, so the
+#       build is short): bench.py --hdims 96,256, and the batch-1 inference shapes (32 heads, d128, 1k-8k).
+# FA2_CUDA_FLAGS (e.g. -DFA2_FWD_STAGES=2) is passed to the full and sweep builds, to test a non-default choice.
 # Everything lands in $OUT/v9-<mode>.tgz (the device returns at most 8 files per call).
 set -uo pipefail
 mode=${1:?usage: v9-verify.sh ab|full}
@@ -51,10 +55,22 @@ if [ "$mode" = ab ]; then
   ncu --import "$out/fwd.ncu-rep" --page details > "$out/ncu-fwd-details.txt" 2>&1
   ncu --import "$out/fwd.ncu-rep" --page source --csv --print-source sass > "$out/ncu-fwd-sass.csv" 2>&1
   rm -f "$out/fwd.ncu-rep"
+elif [ "$mode" = sweep ]; then
+  t0=$SECONDS
+  FA2_CUDA_ARCHS=90 FA2_HEAD_DIMS=96,128,256 CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-index \
+    --no-build-isolation --no-deps -Ccmake.define.CMAKE_CUDA_FLAGS="${FA2_CUDA_FLAGS:-}" . > "$out/build.log" 2>&1 \
+    || { echo "build failed"; tail -30 "$out/build.log"; }
+  echo "build: $((SECONDS - t0)) s"
+  timeout 240 python3 bench/bench.py --hdims 96,256 --out "$out/bench-96-256.jsonl" > "$out/bench-96-256.txt" 2>&1
+  echo "bench 96,256: rc $?"
+  timeout 150 python3 bench/bench.py --hdims 128 --batch 1 --nheads 32 --seqlens 1024,2048,4096,8192 \
+    --out "$out/bench-b1h32.jsonl" > "$out/bench-b1h32.txt" 2>&1
+  echo "bench b1h32: rc $?"
 else
   t0=$SECONDS
   FA2_CUDA_ARCHS=90 CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-index --no-build-isolation \
-    --no-deps . > "$out/build.log" 2>&1 || { echo "build failed"; tail -30 "$out/build.log"; }
+    --no-deps -Ccmake.define.CMAKE_CUDA_FLAGS="${FA2_CUDA_FLAGS:-}" . > "$out/build.log" 2>&1 \
+    || { echo "build failed"; tail -30 "$out/build.log"; }
   echo "build: $((SECONDS - t0)) s"
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests > "$out/tests.log" 2>&1; echo "tests: rc $?"; tail -3 "$out/tests.log"
   timeout 60 compute-sanitizer --tool memcheck python3 bench/sanitize.py > "$out/memcheck.log" 2>&1; echo "memcheck: rc $?"
