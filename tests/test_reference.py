@@ -36,6 +36,33 @@ def test_tiled_forward_equals_attention(case, causal, blocks):
     torch.testing.assert_close(lse_t, lse, rtol=0, atol=1e-12)  # the -inf pattern must match too
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("rise", [12.0, -12.0, 3000.0, -3000.0])
+def test_lazy_rescale_is_the_same_softmax(rise, causal):
+    """Scores that climb (rise > 0) or fall along the keys, so the running max moves in most key blocks: by
+    ~|rise| / 16 per 64 keys. With |rise| = 12 it stays inside the 2^8 the lazy rescale lets pass for several
+    blocks; with 3000 it moves past that in every block. Same inputs as test_fwd.py's kernel test."""
+    torch.manual_seed(int(rise))
+    b, n, h, d = 1, 1024, 2, 16
+    u = torch.randn(d, dtype=torch.float64)
+    u /= u.norm()
+    ramp = torch.linspace(0.0, 1.0, n, dtype=torch.float64)[None, :, None, None]
+    q = u + 0.05 * torch.randn(b, n, h, d, dtype=torch.float64)
+    k = rise * ramp * u + torch.randn(b, n, h, d, dtype=torch.float64)
+    v = torch.randn(b, n, h, d, dtype=torch.float64)
+    out, lse = attention_ref(q, k, v, causal=causal, softmax_scale=1.0)
+    eager = flash_fwd_tiled(q, k, v, causal=causal, softmax_scale=1.0)
+    lazy = flash_fwd_tiled(q, k, v, causal=causal, softmax_scale=1.0, rescale_threshold=8.0)
+    for got in (eager, lazy):
+        torch.testing.assert_close(got[0], out, rtol=0, atol=1e-12)
+        torch.testing.assert_close(got[1], lse, rtol=1e-14, atol=1e-12)
+    if rise == 12.0:
+        # Visited first to last, only slowly climbing scores leave m stale for some blocks (falling ones never
+        # move it, steep ones move it every block): there the lazy run must round differently from the eager
+        # one, or it did not take the stale path. (The kernel visits last to first: its stale case is -12.)
+        assert not torch.equal(lazy[0], eager[0])
+
+
 @pytest.mark.parametrize("blocks", BLOCKS[:2], ids=lambda b: f"blocks{b[0]}x{b[1]}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)

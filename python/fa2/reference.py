@@ -65,10 +65,15 @@ def _key_end(m0: int, block_m: int, seqlen_q: int, seqlen_k: int, causal: bool) 
 
 
 def flash_fwd_tiled(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None, block_m: int = 64,
-                    block_n: int = 64) -> Tuple[torch.Tensor, torch.Tensor]:
+                    block_n: int = 64, rescale_threshold: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention-2 forward (Algorithm 1; fwd_kernel.h and softmax.h mirror it). Each Q block streams
     over the K/V blocks it can see, keeping the online-softmax state m, l, acc; the softmax runs in base 2
-    with the scale folded in, as the kernel does (exp2 is one instruction). Returns (out, lse)."""
+    with the scale folded in, as the kernel does (exp2 is one instruction). Returns (out, lse).
+
+    rescale_threshold > 0 is the lazy rescale (bench/NOTES.md v9): m moves only once some row of the Q block
+    has outgrown it by more than that many powers of 2 (the kernel decides per warp of rows). Until then P
+    may reach 2**rescale_threshold, and l, acc and lse keep referring to the same stale m, so the softmax is
+    unchanged; the rescale of acc is skipped. 0 rescales whenever the max moves (FA2)."""
     scale = _scale(softmax_scale, q)
     scale_log2 = scale * LOG2E  # exp(x * scale) == exp2(x * scale_log2)
     work = torch.promote_types(q.dtype, torch.float32)  # the kernel's accumulators are fp32
@@ -90,6 +95,9 @@ def flash_fwd_tiled(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
                 cols = torch.arange(n0, n0 + K.shape[2], device=q.device)
                 S = S.masked_fill(~visible(rows, cols, seqlen_q, seqlen_k), NEG_INF)
             m_new = torch.maximum(m, S.amax(dim=-1, keepdim=True))
+            if rescale_threshold > 0:  # (m_new - m) is NaN, so False, while a row has seen only -inf
+                grew = ((m_new - m) * scale_log2 > rescale_threshold).any(dim=-2, keepdim=True)
+                m_new = torch.where(grew, m_new, m)
             # A row with every key so far masked has m = -inf: offset by 0 so exp2 gives 0, not NaN.
             m_scaled = torch.where(torch.isneginf(m_new), 0.0, m_new * scale_log2)
             P = torch.exp2(S * scale_log2 - m_scaled)
