@@ -107,7 +107,7 @@ def test_fwd_rejects_bad_out(out, exc, pattern):
         fa2.fwd(*_qkv(), out=out)
 
 
-@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan"), 1e-46])
 def test_fwd_rejects_bad_softmax_scale(scale):
     with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
         fa2.fwd(*_qkv(), softmax_scale=scale)

@@ -23,6 +23,7 @@ _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 # FA2_NVTX=1: an NVTX range around every kernel launch (fa2.fwd / fa2.bwd), for Nsight timelines and
 # `ncu --nvtx --nvtx-include "fa2.bwd/"`. Off by default: a range costs a few microseconds of host time.
 _NVTX = os.environ.get("FA2_NVTX", "0") not in ("", "0")
+_FLOAT_TINY = 2.0 ** -126  # the smallest normal float32
 
 
 def _ext():
@@ -111,10 +112,11 @@ def _check_qkv(q, k, v, softmax_scale, varlen: bool = False) -> None:
                          f"zero-pad q, k and v to a multiple of 8 (and pass softmax_scale for the true head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_loadable(name, t)
-    # The online softmax keeps the max of unscaled scores, which is only the max of scaled ones for scale > 0.
-    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number or None (head_dim ** -0.5), "
-                         f"got {softmax_scale}")
+    # The online softmax keeps the max of unscaled scores, which is only the max of scaled ones for scale > 0;
+    # the kernels scale in float with denormals flushed, where a smaller scale is 0 and masked scores NaN.
+    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale >= _FLOAT_TINY):
+        raise ValueError(f"softmax_scale must be a positive finite number (at least {_FLOAT_TINY:.3g}, float's "
+                         f"smallest normal) or None (head_dim ** -0.5), got {softmax_scale}")
 
 
 def _check_buffer(name: str, t, like: torch.Tensor, like_name: str) -> None:
