@@ -8,9 +8,10 @@
 #   run(command="bash bench/experiments/v9-verify.sh sweep",  carry=[".whl"])  # ~4 min
 #
 # ab-fwd: forward-only builds (64/128 bf16, sm90) of the tree before the patch ("base"), the patch as it is
-#       ("v9": one K/V stage, lazy rescale, causal head groups), with two K/V stages ("v9s2") and with the
-#       pipelined d64 loop ("v9pipe"). bench/ab.py times each against SDPA-flash after kernel_check's quick
-#       fp64 grid; then one ncu --set full of the v9 forward next to FA2's (d64 and d128, 4k).
+#       ("v9": one K/V stage, lazy rescale, causal head groups), with two K/V stages ("v9s2"), with the
+#       pipelined d64 loop ("v9pipe") and with contiguous warp rows that skip causal blocks above them
+#       ("v9skip"). bench/ab.py times each against SDPA-flash after kernel_check's quick fp64 grid; then one
+#       ncu --set full of the v9 forward next to FA2's (d64 and d128, 4k).
 # ab-bwd: backward builds before the patch ("bbase"), with it ("bv9": the dQ slab stores addressed from four
 #       base pointers, which cuts d128's spill from 112 to 60 B), and with causal head groups on top ("bgrp"),
 #       timed the same way.
@@ -42,10 +43,10 @@ build() {  # name src kinds "flags"
 if [ "$mode" = ab-fwd ]; then
   t0=$SECONDS
   build base build/src-base fwd "" & build v9 . fwd "" & build v9s2 . fwd "-DFA2_FWD_STAGES=2" &
-  build v9pipe . fwd "-DFA2_FWD_STAGES=2 -DFA2_FWD_PIPE=1" & wait
+  build v9pipe . fwd "-DFA2_FWD_STAGES=2 -DFA2_FWD_PIPE=1" & build v9skip . fwd "-DFA2_FWD_WARP_SKIP=1" & wait
   echo "builds: $((SECONDS - t0)) s"
   for f in "$out"/build-*.log; do echo "== $f"; grep -E "Compiling entry|registers|spill stores" "$f"; done > "$out/ptxas.txt"
-  timeout 260 python3 bench/ab.py --builds base=build/base,v9=build/v9,v9s2=build/v9s2,v9pipe=build/v9pipe \
+  timeout 300 python3 bench/ab.py --builds base=build/base,v9=build/v9,v9s2=build/v9s2,v9pipe=build/v9pipe,v9skip=build/v9skip \
     --hdims 64,128 --dtype bf16 --modes fwd --rounds 2 --seqlens 1024,4096,16384 > "$out/ab-fwd.txt" 2>&1
   echo "ab fwd: rc $?"
   timeout 120 ncu --clock-control none --kernel-name-base demangled --kernel-name "regex:fwd_kernel|flash_fwd" \
