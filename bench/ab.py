@@ -55,7 +55,7 @@ def worker(args):
     dt = kc.DT[args.dtype]
     for d in hdims:
         h = 2048 // d
-        for causal in (False, True):
+        for causal in [c == "true" for c in args.causal.split(",")]:
             for n in map(int, args.seqlens.split(",")):
                 b = 16384 // n
                 torch.manual_seed(n + d)
@@ -91,6 +91,7 @@ def main():
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--modes", default="bwd", help="fwd,bwd")
     ap.add_argument("--seqlens", default="1024,4096,16384")
+    ap.add_argument("--causal", default="false,true", help="comma list of false, true")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
@@ -104,7 +105,8 @@ def main():
     for rnd in range(args.rounds):
         for name, bdir in builds.items():
             cmd = [sys.executable, os.path.abspath(__file__), "--builds", args.builds, "--worker", bdir,
-                   "--hdims", args.hdims, "--dtype", args.dtype, "--modes", args.modes, "--seqlens", args.seqlens]
+                   "--hdims", args.hdims, "--dtype", args.dtype, "--modes", args.modes, "--seqlens", args.seqlens,
+                   "--causal", args.causal]
             if rnd == 0:
                 cmd.append("--check")
             proc = subprocess.run(cmd, capture_output=True, text=True)

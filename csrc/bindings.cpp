@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -57,9 +58,7 @@ void check_device(int device) {
     throw std::runtime_error("fa2: tensors are on cuda:" + std::to_string(device) + " but the current device is cuda:" +
                              std::to_string(current));
   }
-  int major = 0;
-  fa2::check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
-  if (major < 8) throw std::runtime_error("fa2: needs an sm80+ GPU (Ampere or newer)");
+  if (fa2::device_cc_major() < 8) throw std::runtime_error("fa2: needs an sm80+ GPU (Ampere or newer)");
   checked.fetch_or(bit, std::memory_order_relaxed);
 }
 
@@ -73,7 +72,10 @@ void check_sizes(const fa2::FwdParams& p) {
   require(p.nheads >= 1 && p.nheads_k >= 1 && p.nheads % p.nheads_k == 0 && p.nheads <= 65535,
           "nheads must be a positive multiple of nheads_k (and <= 65535)");
   require(p.head_dim >= 8 && p.head_dim % 8 == 0 && p.head_dim <= 256, "head_dim must be a multiple of 8 in [8, 256]");
-  require(std::isfinite(p.softmax_scale), "softmax_scale must be finite");
+  // The kernels compute in float with denormals flushed: a scale below FLT_MIN would act as 0, and -inf
+  // (masked) scores times 0 are NaN.
+  require(std::isfinite(p.softmax_scale) && p.softmax_scale >= FLT_MIN && p.scale_log2 >= FLT_MIN,
+          "softmax_scale must be finite and at least 1.2e-38 (float's smallest normal number)");
 }
 
 // Instantiations compiled into this build, as (head dim, dtype) lists.
@@ -119,10 +121,13 @@ void fill_common(fa2::FwdParams& p, uintptr_t q, uintptr_t k, uintptr_t v, uintp
 void fwd(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, StrideTuple q_stride,
          StrideTuple k_stride, StrideTuple v_stride, StrideTuple out_stride, int batch, int seqlen_q, int seqlen_k,
          int nheads, int nheads_k, int head_dim, double softmax_scale, bool causal, const std::string& dtype,
-         int device, uintptr_t stream, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k) {
+         int device, uintptr_t stream, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, int head_group) {
   fa2::FwdParams p;
   fill_common(p, q, k, v, out, lse, q_stride, k_stride, v_stride, out_stride, batch, seqlen_q, seqlen_k, nheads,
               nheads_k, head_dim, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, total_q, total_k);
+  require(head_group == 0 || (head_group > 0 && nheads % head_group == 0),
+          "head_group must be 0 (chosen at launch) or a divisor of nheads");
+  p.head_group = head_group;
   const DType dt = parse_dtype(dtype);
   const int kernel_dim = pick_head_dim(kFwdInstances, head_dim, dt, "forward");
   check_device(device);
@@ -212,7 +217,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out_stride"), py::arg("batch"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("nheads"),
         py::arg("nheads_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"), py::arg("dtype"),
         py::arg("device"), py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0,
-        py::arg("total_q") = 0, py::arg("total_k") = 0);
+        py::arg("total_q") = 0, py::arg("total_k") = 0, py::arg("head_group") = 0);
   m.def("bwd", &bwd, "Attention backward on raw device pointers (see csrc/CONTRACT.md).", py::arg("dout"),
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"),
         py::arg("dv"), py::arg("dq_accum"), py::arg("d_sum"), py::arg("dout_stride"), py::arg("q_stride"),

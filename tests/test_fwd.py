@@ -1,6 +1,8 @@
 """fa2.fwd against the fp64 reference with FlashAttention's tolerance rule (GPU): our error may be at most
 twice that of plain PyTorch attention in the same low precision. Every output buffer is poisoned with NaN
 first, so an element the kernel skipped cannot pass."""
+import functools
+
 import pytest
 import torch
 
@@ -74,6 +76,88 @@ def test_large_logits_stay_finite(require_kernel):
     q, k, v = randn(1, 512, 2, 64) * 40, randn(1, 512, 2, 64) * 40, randn(1, 512, 2, 64)
     out, lse = check_fwd(q, k, v, causal=False, softmax_scale=1.0, tag="scores ~1e4")
     assert lse.abs().max() > 1e3 and torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("rise", [12.0, -12.0, 3000.0, -3000.0])
+@pytest.mark.parametrize("d", [64, 128])
+def test_running_max_moves_between_key_blocks(d, rise, dtype, causal, require_kernel):
+    """Scores that climb (rise > 0) or fall along the keys, so the running row max moves in most key blocks
+    the kernel visits (it walks them from the last to the first): by ~|rise| / 16 per 64 keys. |rise| = 12
+    stays inside the 2^8 growth the online softmax lets pass before it rescales the output (softmax.h);
+    3000 moves it far past that in every block. Both paths must give the same softmax."""
+    require_kernel("fwd", d, dtype)
+    b, n, h = 1, 1024, 4
+    gen = torch.Generator(device="cuda").manual_seed(d + int(rise))
+    u = torch.randn(d, device="cuda", dtype=torch.float64, generator=gen)
+    u /= u.norm()
+    ramp = torch.linspace(0.0, 1.0, n, device="cuda", dtype=torch.float64)[None, :, None, None]
+    noise = lambda scale: scale * torch.randn(b, n, h, d, device="cuda", dtype=torch.float64, generator=gen)  # noqa: E731
+    q = (u + noise(0.05)).to(dtype)
+    k = (rise * ramp * u + noise(1.0)).to(dtype)  # score_j ~ rise * j / n, with softmax_scale 1
+    v = noise(1.0).to(dtype)
+    out, _ = check_fwd(q, k, v, causal=causal, softmax_scale=1.0, tag=f"rise {rise} d{d} causal={causal} {dtype}")
+    if abs(rise) > 1000:
+        # Low-precision torch rounds scores near 3000 to steps of 2 (fp16) or 16 (bf16), which makes the
+        # 2x rule too loose to mean anything here; the kernel's scores are fp32, so hold it to its own rounding.
+        ref64, _ = attention_ref(q.double(), k.double(), v.double(), causal=causal, softmax_scale=1.0)
+        bound = 2 * torch.finfo(dtype).eps * ref64.abs().max().item()
+        err = (out.double() - ref64).abs().max().item()
+        assert err <= bound, f"rise {rise} d{d} causal={causal} {dtype}: max error {err:.3e} > {bound:.3e}"
+
+
+def test_softmax_scale_below_float_range_is_refused(require_kernel):
+    """1e-46 is a positive Python float but 0 as the kernels' float, where masked (-inf) scores times 0 would
+    be NaN: refused with the argument's name (by the Python layer; bindings.cpp checks it again for direct
+    fa2._C callers), not computed. 1e-30, a normal float, still works."""
+    require_kernel("fwd", 64, torch.bfloat16)
+    q, k, v = randn(1, 300, 2, 64), randn(1, 300, 2, 64), randn(1, 300, 2, 64)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        fa2.fwd(q, k, v, causal=True, softmax_scale=1e-46)
+    check_fwd(q, k, v, causal=True, softmax_scale=1e-30, tag="scale 1e-30")
+
+
+class _ForcedHeadGroup:
+    """fa2._C with fwd's head_group fixed (csrc/CONTRACT.md), to test group sizes the launch would not pick."""
+
+    def __init__(self, ext, group):
+        self._ext, self._group = ext, group
+
+    def __getattr__(self, name):
+        fn = getattr(self._ext, name)
+        return functools.partial(fn, head_group=self._group) if name == "fwd" else fn
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+def test_causal_head_groups_change_the_order_not_the_result(varlen, monkeypatch, require_kernel):
+    """Causal grids hand out the heaviest query blocks of `head_group` heads first (csrc/fa2/schedule.h). The
+    launch picks the group from the GPU's size, so force every divisor of nheads (GQA 3:1, uneven lengths):
+    every block is computed the same whatever the order, so the results must agree bit for bit."""
+    require_kernel("fwd", 64, torch.bfloat16)
+    from fa2 import interface
+    h, hk, d = 6, 2, 64
+    if varlen:
+        lengths_q, lengths_k = [300, 1, 777, 64], [300, 5, 900, 64]
+        cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q, k, v = randn(int(cu_q[-1]), h, d), randn(int(cu_k[-1]), hk, d), randn(int(cu_k[-1]), hk, d)
+        run = lambda: fa2.fwd_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,  # noqa: E731
+                                     out=poison(torch.empty_like(q)))
+    else:
+        q, k, v = randn(2, 700, h, d), randn(2, 900, hk, d), randn(2, 900, hk, d)
+        run = lambda: fa2.fwd(q, k, v, causal=True, out=poison(torch.empty_like(q)))  # noqa: E731
+        check_fwd(q, k, v, causal=True, tag="causal GQA 6:2, the launch's group")
+    ext = interface._ext()
+    results = {}
+    for group in (1, 2, 3, 6):
+        monkeypatch.setattr(interface, "_ext", lambda group=group: _ForcedHeadGroup(ext, group))
+        results[group] = run()
+    monkeypatch.setattr(interface, "_ext", lambda: ext)
+    results[0] = run()
+    for group, (out, lse) in results.items():
+        assert_written(out, name=f"out, head_group {group}")
+        assert torch.equal(out, results[1][0]) and torch.equal(lse, results[1][1]), f"head_group {group}"
 
 
 def test_rows_without_keys_are_zero_with_neg_inf_lse(require_kernel):

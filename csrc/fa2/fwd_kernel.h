@@ -3,10 +3,13 @@
 // partitioned for operation X (tQ/tK/tV: gmem->smem copies, tS: the S = Q K^T MMA, tO: the O += P V MMA).
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 
 #include "fa2/mask.h"
 #include "fa2/params.h"
+#include "fa2/schedule.h"
 #include "fa2/seqlen.h"
 #include "fa2/softmax.h"
 #include "fa2/utils.h"
@@ -24,9 +27,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   using BlockKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
   using BlockS = Shape<Int<kBlockM>, Int<kBlockN>>;
 
-  // Causal: the last query blocks see the most keys; launch them first so the tail of the grid is short.
-  const int m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int head = blockIdx.y, batch = blockIdx.z;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kKVElems = Traits::kKVElems;
+
+  const BlockHead work = scheduled_block</*kHeavyLast=*/true>(p);
+  const int m_block = work.block, head = work.head;
+  const int batch = blockIdx.z;
   const int head_kv = head / (p.nheads / p.nheads_k);  // GQA/MQA: query heads share a K/V head
   const int tid = threadIdx.x;
   const int row_offset = m_block * kBlockM;
@@ -45,7 +51,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   extern __shared__ char smem[];
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(sQ.data() + cosize(typename Traits::SmemLayoutQ{}), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(sK.data() + cosize(typename Traits::SmemLayoutKV{}), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + kStages * kKVElems, typename Traits::SmemLayoutKV{});
   Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
   Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutQ{});  // Q is dead by the epilogue
 
@@ -86,44 +92,73 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   OnlineSoftmax<kRowsPerThread> softmax;  // starts empty: m = -inf, l = 0
   clear(acc_o);
 
-  if (n_block_end > 0) {
-    // Prologue: Q and the last visited K tile (the only one that can be cut by seqlen_k).
-    copy_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, seq.seqlen_q - row_offset, p.head_dim);
-    copy_tile<true>(gmem_copy, tKgK(_, _, _, n_block_end - 1), tKsK, tKcK, seq.seqlen_k - (n_block_end - 1) * kBlockN,
-                    p.head_dim);
-    cp_async_fence();
-  }
-
-  // Key blocks from the last visited one down to 0: the first few are the only ones that can need a mask.
-  // Order of work per block (FA2): V[n] streams in while S = Q K[n]^T runs; K[n-1] streams in while
-  // softmax and O += P V[n] run. K and V have one buffer each, so every refill waits behind a barrier
-  // that proves all warps are done reading it.
+  // One key block's two GEMMs and the softmax between them; sK/sV hold its K and V at `kv_offset`.
+  // P goes to the second MMA as its A operand, straight from registers.
   const int n_masked_begin = n_block_end - masked_key_blocks<kBlockM, kBlockN>(p.causal);
-  for (int n_block = n_block_end - 1; n_block >= 0; --n_block) {
-    Tensor acc_s = partition_fragment_C(tiled_mma, BlockS{});
+  auto s_gemm = [&](auto& acc_s, int n_block, int kv_offset) {
     clear(acc_s);
-    cp_async_wait<0>();
-    __syncthreads();  // K[n] (and Q) landed; all warps finished O += P V[n+1], so sV may be refilled
-    copy_tile<true>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKcK, seq.seqlen_k - n_block * kBlockN, p.head_dim);
-    cp_async_fence();
-
-    gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
+    gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, make_tensor(tSsK.data() + kv_offset, tSsK.layout()), smem_copy_q,
+            smem_copy_k, smem_thr_q, smem_thr_k);
     if (n_block >= n_masked_begin) {
       apply_mask(acc_s, tScS, row_offset, n_block * kBlockN, seq.seqlen_q, seq.seqlen_k, p.causal);
     }
-
-    cp_async_wait<0>();
-    __syncthreads();  // V[n] landed; all warps finished S = Q K[n]^T, so sK may be refilled
-    if (n_block > 0) {
-      copy_tile<false>(gmem_copy, tKgK(_, _, _, n_block - 1), tKsK, tKcK, kBlockN, p.head_dim);
-      cp_async_fence();
-    }
-
+  };
+  auto softmax_pv = [&](auto& acc_s, int kv_offset) {
     softmax.update(acc_s, acc_o, p.scale_log2);
-    // P goes to the second MMA as its A operand, straight from registers.
     Tensor rP = convert_type<Element>(acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-    gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, smem_thr_v);
+    gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, make_tensor(tOsVt.data() + kv_offset, tOsVt.layout()), smem_copy_v,
+            smem_thr_v);
+  };
+  // Block n's K or V into buffer `stage`; rows >= max_row are zero-filled (only where kCheckRows).
+  auto load_kv = [&](auto check_rows, auto const& tXgX, auto const& tXsX, int n_block, int stage, int max_row) {
+    copy_tile<decltype(check_rows)::value>(gmem_copy, tXgX(_, _, _, n_block),
+                                           make_tensor(tXsX.data() + stage * kKVElems, tXsX.layout()), tKcK, max_row,
+                                           p.head_dim);
+  };
+  constexpr std::true_type kCut{};      // the block seqlen_k may cut
+  constexpr std::false_type kWhole{};   // any other block
+
+  // Key blocks from the last visited one down to 0: the first few are the only ones that can need a mask,
+  // and the first is the only one that seqlen_k can cut.
+  if (n_block_end > 0) {
+    copy_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, seq.seqlen_q - row_offset, p.head_dim);
+    const int last_rows = seq.seqlen_k - (n_block_end - 1) * kBlockN;
+    load_kv(kCut, tKgK, tKsK, n_block_end - 1, 0, last_rows);
+    if constexpr (kStages == 2) load_kv(kCut, tVgV, tVsV, n_block_end - 1, 0, last_rows);
+    cp_async_fence();
+  }
+  for (int n_block = n_block_end - 1; n_block >= 0; --n_block) {
+    Tensor acc_s = partition_fragment_C(tiled_mma, BlockS{});
+    if constexpr (kStages == 2) {
+      // Two buffers each: block n's K and V were loaded during block n+1, and block n-1's load into the
+      // other buffers overlaps all of this block's work. One barrier per block.
+      const int stage = (n_block_end - 1 - n_block) & 1;
+      cp_async_wait<0>();
+      __syncthreads();  // K[n], V[n] landed; every warp is done with block n+1, whose buffers are refilled now
+      if (n_block > 0) {
+        load_kv(kWhole, tKgK, tKsK, n_block - 1, stage ^ 1, kBlockN);
+        load_kv(kWhole, tVgV, tVsV, n_block - 1, stage ^ 1, kBlockN);
+        cp_async_fence();
+      }
+      s_gemm(acc_s, n_block, stage * kKVElems);
+      softmax_pv(acc_s, stage * kKVElems);
+    } else {
+      // One buffer each (FA2): V[n] streams in while S = Q K[n]^T runs; K[n-1] streams in while softmax
+      // and O += P V[n] run. Every refill waits behind a barrier that proves all warps are done reading it.
+      cp_async_wait<0>();
+      __syncthreads();  // K[n] (and Q) landed; all warps finished O += P V[n+1], so sV may be refilled
+      load_kv(kCut, tVgV, tVsV, n_block, 0, seq.seqlen_k - n_block * kBlockN);
+      cp_async_fence();
+      s_gemm(acc_s, n_block, 0);
+      cp_async_wait<0>();
+      __syncthreads();  // V[n] landed; all warps finished S = Q K[n]^T, so sK may be refilled
+      if (n_block > 0) {
+        load_kv(kWhole, tKgK, tKsK, n_block - 1, 0, kBlockN);
+        cp_async_fence();
+      }
+      softmax_pv(acc_s, 0);
+    }
   }
 
   // Epilogue: normalise, write lse, stage O through shared memory for 16-byte coalesced stores.

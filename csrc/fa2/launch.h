@@ -36,22 +36,30 @@ void allow_smem(int smem, const char* what) {
   done.fetch_or(bit, std::memory_order_relaxed);
 }
 
-// Compute capability major of the current device, queried once per device.
-inline int device_cc_major() {
+// An attribute of the current device, queried once per device (a driver call; launches happen every step).
+template <cudaDeviceAttr kAttr>
+int device_attribute(const char* what) {
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  static std::atomic<int> cc[64] = {};
-  if (device >= 64) {
-    int major = 0;
-    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
-    return major;
+  static std::atomic<int> cache[64] = {};  // 0 = not asked yet (every attribute used here is >= 1)
+  int value = device < 64 ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (value == 0) {
+    check_cuda(cudaDeviceGetAttribute(&value, kAttr, device), what);
+    if (device < 64) cache[device].store(value, std::memory_order_relaxed);
   }
-  int major = cc[device].load(std::memory_order_relaxed);
-  if (major == 0) {
-    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
-    cc[device].store(major, std::memory_order_relaxed);
-  }
-  return major;
+  return value;
+}
+inline int device_cc_major() { return device_attribute<cudaDevAttrComputeCapabilityMajor>("compute capability"); }
+inline int device_sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>("multiprocessor count"); }
+
+// Causal grids: how many heads' blocks are dispatched heaviest first together (schedule.h). As many heads
+// as have blocks resident at once anyway, so the group's K/V (or Q/dO) stay in L2 as without grouping;
+// rounded down to a divisor of nheads.
+inline int causal_head_group(const FwdParams& p, int blocks_per_head, int ctas_per_sm) {
+  const int resident_heads = ceil_div_host(device_sm_count() * ctas_per_sm, blocks_per_head);
+  int group = resident_heads < p.nheads ? resident_heads : p.nheads;
+  while (p.nheads % group != 0) --group;
+  return group;
 }
 
 template <int kHeadDim, DType kDType> void run_fwd(const FwdParams& p, cudaStream_t stream);

@@ -26,6 +26,8 @@ struct FwdParams {
   float softmax_scale = 0.f;
   float scale_log2 = 0.f;  // softmax_scale * log2(e): softmax runs in base 2 (exp2 is one MUFU op)
   bool causal = false;     // bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
+  int head_group = 0;      // causal: heads whose blocks are dispatched heaviest first together; 0 = chosen
+                           // at launch (launch.h); a test may force another divisor of nheads
 
   // Packed variable-length batches (both nullptr for padded ones): sequence b owns tokens
   // [cu_seqlens_q[b], cu_seqlens_q[b+1]) of (total_q, nheads, head_dim) q/o and likewise of k/v. Then the

@@ -36,22 +36,56 @@ struct OnlineSoftmax {
   // correction is 0 and acc_o (still zero) stays zero: no special first iteration.
   template <typename TensorS, typename TensorO>
   __device__ __forceinline__ void update(TensorS& acc_s, TensorO& acc_o, float scale_log2) {
+    rescale(acc_s, acc_o, scale_log2);
+    exponentiate(acc_s, scale_log2);
+  }
+
+  // update()'s first half: raise m where needed, rescaling l and acc_o by the correction.
+  template <typename TensorS, typename TensorO>
+  __device__ __forceinline__ void rescale(TensorS const& acc_s, TensorO& acc_o, float scale_log2) {
     Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
     Tensor o = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));
     static_assert(decltype(size<0>(s))::value == kNRows);
+    // Lazy rescale: m stays where it is until some row of the warp has outgrown it by more than 2^8. P then
+    // stays <= 256, harmless in fp32 sums and in fp16/bf16 P, and l, acc_o and lse all refer to the same m,
+    // so the result is the same softmax. Late tiles rarely raise the max by that much, so most tiles skip
+    // the rescale of acc_o (head_dim/4 FMULs per row, on the critical path to O += P V). The test needs no
+    // shuffles: a row's max over its quad outgrows m only if one lane's scores do, so the quads combine
+    // their maxima (quad_max) only when the warp rescales. The vote keeps the branch warp-uniform.
+    float thread_max[kNRows];
+    bool grew = false;
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       float m = row_max[mi];
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
-      m = quad_max(m);
-      // A row whose keys are all masked so far has m = -inf: offset by 0 so exp2 yields 0, not NaN.
-      const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-      const float correction = row_max[mi] == -INFINITY ? 0.f : exp2f(row_max[mi] * scale_log2 - m_scaled);
-      row_max[mi] = m;
+      thread_max[mi] = m;
+      // A row's first finite score always rescales (whatever the scale); -inf only stays -inf.
+      grew |= row_max[mi] == -INFINITY ? m != -INFINITY : (m - row_max[mi]) * scale_log2 > 8.f;
+    }
+    if (__any_sync(0xffffffff, grew)) {
       CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(o); ++ni) o(mi, ni) *= correction;
-      float sum = row_sum[mi] * correction;
+      for (int mi = 0; mi < kNRows; ++mi) {
+        const float m = quad_max(thread_max[mi]);
+        // m_old = -inf (no key seen yet): correction 0, never NaN; m_old finite means m is too.
+        const float correction = row_max[mi] == -INFINITY ? 0.f : exp2f((row_max[mi] - m) * scale_log2);
+        row_max[mi] = m;
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(o); ++ni) o(mi, ni) *= correction;
+        row_sum[mi] *= correction;
+      }
+    }
+  }
+
+  // ... and turn S into P in place, adding to l.
+  template <typename TensorS>
+  __device__ __forceinline__ void exponentiate(TensorS& acc_s, float scale_log2) {
+    Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      // Offset by 0 for a row with m = -inf, so exp2 yields 0, not NaN.
+      const float m_scaled = row_max[mi] == -INFINITY ? 0.f : row_max[mi] * scale_log2;
+      float sum = row_sum[mi];
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(s); ++ni) {
         s(mi, ni) = exp2f(s(mi, ni) * scale_log2 - m_scaled);  // one FFMA + one MUFU.EX2

@@ -62,7 +62,7 @@ struct BaseTraits {
   using SmemCopyAtomOut = Copy_Atom<UniversalCopy<uint32_t>, Element>;
 };
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, DType kDType>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, DType kDType>
 struct FwdTraits : BaseTraits<kHeadDim_, kNWarps_, kDType> {
   using Base = BaseTraits<kHeadDim_, kNWarps_, kDType>;
   using typename Base::Element;
@@ -70,6 +70,8 @@ struct FwdTraits : BaseTraits<kHeadDim_, kNWarps_, kDType> {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;  // K/V buffers each: 2 lets the next tile load during this one
+  static_assert(kStages == 1 || kStages == 2);
   static_assert(kBlockM % (16 * kNWarps_) == 0, "each warp owns whole 16-row MMA slabs of Q");
 
   // FA2's work split: warps tile the rows of Q only, so each warp owns complete rows of S and of O
@@ -87,8 +89,8 @@ struct FwdTraits : BaseTraits<kHeadDim_, kNWarps_, kDType> {
   using SmemLayoutVtShape = decltype(make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{}));
 
   // O is staged in the bytes of sQ (Q is dead by the epilogue).
-  static constexpr int kSmemSize =
-      (cosize(SmemLayoutQ{}) + 2 * cosize(SmemLayoutKV{})) * int(sizeof(Element));
+  static constexpr int kKVElems = cosize(SmemLayoutKV{});
+  static constexpr int kSmemSize = (cosize(SmemLayoutQ{}) + 2 * kStages * kKVElems) * int(sizeof(Element));
 };
 
 
