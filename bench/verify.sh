@@ -11,7 +11,8 @@
 # ab-bwd: backward A/B (bench/ab.py, 64/128 bf16) of the tree as it is ("base"), the tree with
 #       bench/experiments/dq-slab-v8-addressing.patch applied ("v8addr": v8's per-element dQ slab addresses)
 #       and with -DFA2_BWD_HEAD_GROUP=1 ("group": causal key blocks heaviest first within head groups).
-# FA2_CUDA_FLAGS is passed to the full build. Everything lands in $OUT/verify-<mode>.tgz, re-packed after each
+# FA2_CUDA_FLAGS is passed to the full build; BENCH_ARGS replaces its first bench.py's arguments;
+# VERIFY_SECONDS (default 570) is the deadline. Everything lands in $OUT/verify-<mode>.tgz, re-packed after each
 # step, so a call that runs out of time still returns what it finished (the device returns at most 8 files).
 set -uo pipefail
 mode=${1:?usage: verify.sh full|ab-bwd}
@@ -40,7 +41,8 @@ if [ "$mode" = full ]; then
   timed memcheck 90 memcheck.log compute-sanitizer --tool memcheck python3 bench/sanitize.py
   timed racecheck 90 racecheck.log compute-sanitizer --tool racecheck python3 bench/sanitize.py --quick
   tail -qn 1 "$out/memcheck.log" "$out/racecheck.log"
-  timed bench-64-128 200 bench.txt python3 bench/bench.py --hdims 64,128 --out "$out/bench.jsonl"
+  # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
+  timed bench-64-128 200 bench.txt python3 bench/bench.py ${BENCH_ARGS:---hdims 64,128} --out "$out/bench.jsonl"
   python3 bench/plot.py "$out/bench.jsonl" > "$out/plot.log" 2>&1
   timed bench-96-256 200 bench-96-256.txt python3 bench/bench.py --hdims 96,256 --seqlens 512,2048,8192 \
     --out "$out/bench-96-256.jsonl"

@@ -275,19 +275,11 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
     float* stage = smem_stage + (threadIdx.x / 32) * (kSlab * kSlab);
     const int row0 = get<0>(coord(0)) / kSlab * kSlab, col0 = get<1>(coord(0)) / kSlab * kSlab;
     auto stage_index = [](int r, int c) { return r * kSlab + ((((c >> 3) ^ r) & 3) << 3) + (c & 7); };
-    // The fragment's element i sits at (r0 + dr, c0 + dc) with (r0, c0) this thread's first element
-    // (r0 < 8, c0 < 8) and dr, dc compile-time multiples of 8 (MMA row halves and n8 tiles). So its
-    // swizzled index is stage_index(r0, c0 + dc) + dr * kSlab: four base pointers (one per 8-column block)
-    // plus immediates, instead of one live address per element (which spilled, 112 B at d128).
-    const int r0 = get<0>(coord(0)) - row0, c0 = get<1>(coord(0)) - col0;
-    float* block_base[kSlab / 8];
-    CUTE_UNROLL
-    for (int j = 0; j < kSlab / 8; ++j) block_base[j] = stage + stage_index(r0, c0 + 8 * j);
     __syncwarp();  // this warp is done reading its previous slab
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); i += 2) {  // (i, i+1) are columns (c, c+1) of one row
-      const int dr = get<0>(coord(i)) - get<0>(coord(0)), dc = get<1>(coord(i)) - get<1>(coord(0));
-      *reinterpret_cast<float2*>(block_base[dc / 8] + dr * kSlab) = make_float2(acc_dq(i), acc_dq(i + 1));
+      const int r = get<0>(coord(i)) - row0, c = get<1>(coord(i)) - col0;
+      *reinterpret_cast<float2*>(stage + stage_index(r, c)) = make_float2(acc_dq(i), acc_dq(i + 1));
     }
     __syncwarp();
     const int r_lane = lane / (kSlab / 4), c = (lane % (kSlab / 4)) * 4;
@@ -369,13 +361,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   using BlockQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using BlockKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
 
-  // Causal key blocks in head groups (schedule.h): an experiment, off until measured (bench/NOTES.md v9);
-  // with it the d64 kernel compiles to 255 registers and 4 B of spill instead of 250 and none.
-#ifndef FA2_BWD_HEAD_GROUP
-#define FA2_BWD_HEAD_GROUP 0
-#endif
-  const BlockHead work = FA2_BWD_HEAD_GROUP ? scheduled_block</*kHeavyLast=*/false>(p)
-                                            : BlockHead{int(blockIdx.x), int(blockIdx.y)};
+  // Causal: key block 0 is seen by every query, so the heaviest blocks of a head group go first (schedule.h).
+  const BlockHead work = scheduled_block</*kHeavyLast=*/false>(p);
   const int n_block = work.block, head = work.head;
   const int batch = blockIdx.z;
   const int head_kv = head / (p.nheads / p.nheads_k);

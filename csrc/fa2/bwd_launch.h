@@ -36,11 +36,8 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
   const int smem = Traits::kSmemSize + (device_cc_major() >= 9 ? Traits::kDqWarpStageBytes : 0);
   allow_smem<&bwd_kernel<Traits>>(smem, "bwd smem");
   const dim3 grid(ceil_div_host(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
-#ifndef FA2_BWD_HEAD_GROUP
-#define FA2_BWD_HEAD_GROUP 0
-#endif
   BwdParams main_p = p;  // 8 warps of ~250 registers: one CTA per SM
-  if (p.causal && FA2_BWD_HEAD_GROUP && p.head_group == 0) main_p.head_group = causal_head_group(p, grid.x, 1);
+  if (p.causal && p.head_group == 0) main_p.head_group = causal_head_group(p, grid.x, 1);
   bwd_kernel<Traits><<<grid, Traits::kNThreads, smem, stream>>>(main_p);
   check_cuda(cudaGetLastError(), "bwd launch");
 
