@@ -3,14 +3,14 @@
 # deadline so the call ends inside the device's 10-minute limit. Needs the nvidia-cutlass wheel in .whl/.
 #
 #   run(command="bash bench/verify.sh full", carry=[".whl"])    # ~9 min on the H100 box
-#   run(command="bash bench/verify.sh ab-bwd", carry=[".whl"])
+#   run(command="AB_FLAGS=-DSOME_KNOB=1 bash bench/verify.sh ab-bwd", carry=[".whl"])
 #
 # full: FA2_CUDA_ARCHS=90 install (all head dims and dtypes), the GPU test suite, compute-sanitizer memcheck
 #       and racecheck, then bench/bench.py --hdims 64,128 with its plot, then as time allows --hdims 96,256
 #       and the batch-1 inference shapes (32 heads, d128, 1k-8k).
-# ab-bwd: backward A/B (bench/ab.py, 64/128 bf16) of the tree as it is ("base"), the tree with
-#       bench/experiments/dq-slab-v8-addressing.patch applied ("v8addr": v8's per-element dQ slab addresses)
-#       and with -DFA2_BWD_HEAD_GROUP=1 ("group": causal key blocks heaviest first within head groups).
+# ab-bwd: backward A/B (bench/ab.py, 64/128 bf16, bwd) of the tree as it is ("base") against a variant: the tree
+#       with the patch AB_PATCH applied and/or built with CMAKE_CUDA_FLAGS=AB_FLAGS ("variant"). v9's
+#       run (results/h100-2026-11-23-v9-ab3-bwd.txt) compared three builds this way.
 # FA2_CUDA_FLAGS is passed to the full build; BENCH_ARGS replaces its first bench.py's arguments;
 # VERIFY_SECONDS (default 570) is the deadline. Everything lands in $OUT/verify-<mode>.tgz, re-packed after each
 # step, so a call that runs out of time still returns what it finished (the device returns at most 8 files).
@@ -56,14 +56,15 @@ else
     echo "build $1: rc $?"
   }
   t0=$SECONDS
-  rm -rf build/src-v8addr && mkdir -p build/src-v8addr && cp -r CMakeLists.txt pyproject.toml csrc python build/src-v8addr/
-  (cd build/src-v8addr && { patch -p1 < ../../bench/experiments/dq-slab-v8-addressing.patch ||
-    git apply ../../bench/experiments/dq-slab-v8-addressing.patch; }) > "$out/patch.log" 2>&1 ||
-    { echo "patch failed"; cat "$out/patch.log"; }
-  build base "" & build v8addr "" build/src-v8addr & build group "-DFA2_BWD_HEAD_GROUP=1" & wait
+  src=.
+  if [ -n "${AB_PATCH:-}" ]; then
+    src=build/src-variant && rm -rf "$src" && mkdir -p "$src" && cp -r CMakeLists.txt pyproject.toml csrc python "$src"/
+    (cd "$src" && patch -p1 < "$OLDPWD/$AB_PATCH") > "$out/patch.log" 2>&1 || { echo "patch failed"; cat "$out/patch.log"; exit 2; }
+  fi
+  build base "" & build variant "${AB_FLAGS:-}" "$src" & wait
   echo "builds: $((SECONDS - t0)) s"
   for f in "$out"/build-*.log; do echo "== $f"; grep -E "Compiling entry|registers|spill stores" "$f"; done > "$out/ptxas.txt"
-  timed ab-bwd 420 ab-bwd.txt python3 bench/ab.py --builds base=build/base,v8addr=build/v8addr,group=build/group \
+  timed ab-bwd 420 ab-bwd.txt python3 bench/ab.py --builds base=build/base,variant=build/variant \
     --hdims 64,128 --dtype bf16 --modes bwd --rounds 2 --seqlens 1024,4096,16384
 fi
 pack
