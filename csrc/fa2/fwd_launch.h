@@ -16,7 +16,7 @@ namespace fa2 {
 // Stages = K/V buffers each. 1 is FA2's schedule (two barriers per key block, each refill behind one).
 // 2 gives one barrier per block, block n-1's K and V loading during all of block n's work: with the lazy
 // rescale it is +3-5% at d64 but -1 to -5% at d128 on the H100 (bench/NOTES.md v9; d128 spills 52 B with
-// it, 68 B without). Other head dims are unmeasured and keep 1. d64 with 2 stages takes 48 KB per CTA, so
+// it, 76 B without). Other head dims are unmeasured and keep 1. d64 with 2 stages takes 48 KB per CTA, so
 // an A100 still holds two.
 template <int kHeadDim> struct FwdConfig;
 template <> struct FwdConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4, kStages = 1; };
