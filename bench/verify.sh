@@ -3,20 +3,26 @@
 # deadline so the call ends inside the device's 10-minute limit. Needs the nvidia-cutlass wheel in .whl/.
 #
 #   run(command="bash bench/verify.sh full", carry=[".whl"])    # ~9 min on the H100 box
-#   run(command="AB_FLAGS=-DSOME_KNOB=1 bash bench/verify.sh ab-bwd", carry=[".whl"])
+#   run(command="AB_FLAGS=-DSOME_KNOB=1 bash bench/verify.sh ab", carry=[".whl"])
 #
 # full: FA2_CUDA_ARCHS=90 install (all head dims and dtypes), the GPU test suite, compute-sanitizer memcheck
 #       and racecheck, then bench/bench.py --hdims 64,128 with its plot, then as time allows --hdims 96,256
 #       and the batch-1 inference shapes (32 heads, d128, 1k-8k).
-# ab-bwd: backward A/B (bench/ab.py, 64/128 bf16, bwd) of the tree as it is ("base") against a variant: the tree
-#       with the patch AB_PATCH applied and/or built with CMAKE_CUDA_FLAGS=AB_FLAGS ("variant"). v9's
-#       run (results/h100-2026-11-23-v9-ab3-bwd.txt) compared three builds this way.
+# ab (or ab-bwd): A/B (bench/ab.py) of the tree as it is ("base") against a variant: the tree with the patch
+#       AB_PATCH applied and/or built with CMAKE_CUDA_FLAGS=AB_FLAGS ("variant"; AB_FLAGS2 adds "variant2").
+#       AB_HDIMS (64,128), AB_MODES (bwd), AB_SEQLENS (1024,4096,16384) and AB_DTYPE (bf16) choose what is built
+#       and timed. NOTES v9 and v10 were measured this way.
+# ncu: a trimmed build (NCU_HDIMS, default 64,128; NCU_KINDS, default fwd,bwd; bf16, sm90), then for each NCU_RUNS
+#       entry MODE:HDIMS:SEQLEN (default bwd:64,128:4096) one fa2 and one SDPA-flash call under ncu
+#       (bench/ncu_vs_flash.py, non-causal) with the sections and stall metrics the NOTES compare;
+#       NCU_SOURCE=MODE:HDIM:SEQLEN adds a --set full report of that one and its per-SASS-instruction page as CSV
+#       (stall samples by reason), for bench/ncu_source.py.
 # FA2_CUDA_FLAGS is passed to the full build; BENCH_ARGS replaces its first bench.py's arguments;
 # VERIFY_SECONDS (default 570) is the deadline. Everything lands in $OUT/verify-<mode>.tgz, re-packed after each
 # step, so a call that runs out of time still returns what it finished (the device returns at most 8 files).
 set -uo pipefail
-mode=${1:?usage: verify.sh full|ab-bwd}
-case $mode in full|ab-bwd) ;; *) echo "verify.sh: unknown mode '$mode'"; exit 2 ;; esac
+mode=${1:?usage: verify.sh full|ab|ncu}
+case $mode in full|ab|ncu) ;; ab-bwd) mode=ab ;; *) echo "verify.sh: unknown mode '$mode'"; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 deadline=$((SECONDS + ${VERIFY_SECONDS:-570}))
 out=$OUT/verify-$mode && mkdir -p "$out"
@@ -48,24 +54,57 @@ if [ "$mode" = full ]; then
     --out "$out/bench-96-256.jsonl"
   timed bench-b1h32 100 bench-b1h32.txt python3 bench/bench.py --hdims 128 --batch 1 --nheads 32 \
     --seqlens 1024,2048,4096,8192 --out "$out/bench-b1h32.jsonl"
+elif [ "$mode" = ncu ]; then
+  t0=$SECONDS
+  cmake -S . -B build/ncu -G Ninja -DFA2_HEAD_DIMS="${NCU_HDIMS:-64,128}" -DFA2_KINDS="${NCU_KINDS:-fwd,bwd}" \
+    -DFA2_DTYPES=bf16 -DCMAKE_CUDA_ARCHITECTURES=90 \
+    > "$out/cfg.log" 2>&1 && cmake --build build/ncu -j 16 > "$out/build.log" 2>&1 || { echo "build failed"; pack; exit 1; }
+  echo "build: $((SECONDS - t0)) s"
+  metrics=l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum
+  metrics+=,lts__t_sectors_op_red.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+  metrics+=,smsp__inst_executed.sum,smsp__inst_executed_op_ldsm.sum
+  for r in barrier long_scoreboard math_pipe_throttle mio_throttle short_scoreboard wait lg_throttle no_instruction \
+           not_selected selected dispatch_stall branch_resolving; do
+    metrics+=,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
+  done
+  regex() { [ "$1" = fwd ] && echo "regex:fwd_kernel" || echo "regex:bwd_kernel|dq_dk_dv"; }
+  for run in ${NCU_RUNS:-bwd:64,128:4096}; do
+    IFS=: read -r m h n <<< "$run"
+    timed "ncu $run" 200 "ncu-$m-${h//,/-}-$n.txt" ncu --clock-control none --kernel-name-base demangled \
+      --kernel-name "$(regex "$m")" --section SpeedOfLight --section WarpStateStats --section LaunchStats \
+      --section Occupancy --metrics "$metrics" python3 bench/ncu_vs_flash.py --build build/ncu --mode "$m" \
+      --hdims "$h" --seqlen "$n"
+  done
+  if [ -n "${NCU_SOURCE:-}" ]; then
+    IFS=: read -r m h n <<< "$NCU_SOURCE"
+    timed "ncu source $NCU_SOURCE" 200 ncu-source.log ncu --clock-control none --kernel-name-base demangled \
+      --kernel-name "$(regex "$m")" --set full --import-source yes -f -o "$out/source" python3 bench/ncu_vs_flash.py \
+      --build build/ncu --mode "$m" --hdims "$h" --seqlen "$n"
+    ncu --import "$out/source.ncu-rep" --page source --csv --print-source sass 2> "$out/source-csv.log" | gzip > "$out/source.csv.gz"
+    rm -f "$out/source.ncu-rep"; pack
+  fi
 else
   build() {  # name "flags" [source dir]
-    cmake -S "${3:-.}" -B "build/$1" -G Ninja -DFA2_HEAD_DIMS=64,128 -DFA2_DTYPES=bf16 -DCMAKE_CUDA_ARCHITECTURES=90 \
+    cmake -S "${3:-.}" -B "build/$1" -G Ninja -DFA2_HEAD_DIMS="$hdims" -DFA2_DTYPES="$dtype" -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DFA2_PTXAS_VERBOSE=ON "-DCMAKE_CUDA_FLAGS=$2" > "$out/cfg-$1.log" 2>&1 &&
       cmake --build "build/$1" -j 6 > "$out/build-$1.log" 2>&1
     echo "build $1: rc $?"
   }
+  hdims=${AB_HDIMS:-64,128} dtype=${AB_DTYPE:-bf16}
   t0=$SECONDS
   src=.
   if [ -n "${AB_PATCH:-}" ]; then
     src=build/src-variant && rm -rf "$src" && mkdir -p "$src" && cp -r CMakeLists.txt pyproject.toml csrc python "$src"/
     (cd "$src" && patch -p1 < "$OLDPWD/$AB_PATCH") > "$out/patch.log" 2>&1 || { echo "patch failed"; cat "$out/patch.log"; exit 2; }
   fi
-  build base "" & build variant "${AB_FLAGS:-}" "$src" & wait
+  build base "" & build variant "${AB_FLAGS:-}" "$src" &
+  [ -n "${AB_FLAGS2:-}" ] && build variant2 "$AB_FLAGS2" "$src" &
+  wait
   echo "builds: $((SECONDS - t0)) s"
   for f in "$out"/build-*.log; do echo "== $f"; grep -E "Compiling entry|registers|spill stores" "$f"; done > "$out/ptxas.txt"
-  timed ab-bwd 420 ab-bwd.txt python3 bench/ab.py --builds base=build/base,variant=build/variant \
-    --hdims 64,128 --dtype bf16 --modes bwd --rounds 2 --seqlens 1024,4096,16384
+  builds=base=build/base,variant=build/variant${AB_FLAGS2:+,variant2=build/variant2}
+  timed ab 420 ab.txt python3 bench/ab.py --builds "$builds" \
+    --hdims "$hdims" --dtype "$dtype" --modes "${AB_MODES:-bwd}" --rounds 2 --seqlens "${AB_SEQLENS:-1024,4096,16384}"
 fi
 pack
 ls -la "$OUT"

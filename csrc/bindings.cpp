@@ -145,7 +145,7 @@ void bwd(uintptr_t dout, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, u
          StrideTuple dq_stride, StrideTuple dk_stride, StrideTuple dv_stride, int batch, int seqlen_q,
          int seqlen_k, int nheads, int nheads_k, int head_dim, double softmax_scale, bool causal,
          bool deterministic, const std::string& dtype, int device, uintptr_t stream, bool dkv_fp32,
-         uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k) {
+         uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, int smem_limit) {
   fa2::BwdParams p;
   fill_common(p, q, k, v, out, lse, q_stride, k_stride, v_stride, out_stride, batch, seqlen_q, seqlen_k, nheads,
               nheads_k, head_dim, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, total_q, total_k);
@@ -156,6 +156,8 @@ void bwd(uintptr_t dout, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, u
   p.dk_stride = to_strides(dk_stride), p.dv_stride = to_strides(dv_stride);
   p.deterministic = deterministic;
   p.dkv_fp32 = dkv_fp32;
+  require(smem_limit >= 0, "smem_limit must be >= 0 (0: the device's)");
+  p.smem_limit = smem_limit;
   require(p.cu_seqlens_q == nullptr || (p.dout_stride.batch == 0 && p.dq_stride.batch == 0 && p.dk_stride.batch == 0 &&
                                         p.dv_stride.batch == 0),
           "varlen: the batch strides must be 0");
@@ -225,5 +227,6 @@ PYBIND11_MODULE(_C, m) {
         py::arg("dv_stride"), py::arg("batch"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("nheads"),
         py::arg("nheads_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("deterministic"), py::arg("dtype"), py::arg("device"), py::arg("stream"), py::arg("dkv_fp32") = false,
-        py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0, py::arg("total_k") = 0);
+        py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0, py::arg("total_k") = 0,
+        py::arg("smem_limit") = 0);
 }

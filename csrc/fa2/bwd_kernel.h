@@ -232,12 +232,31 @@ __device__ __forceinline__ void store_acc_tile(TiledMma const& mma, Acc& acc, fl
   store_tile(copy_gmem, tOrO, tOgO, tOcO, max_row, head_dim);
 }
 
-// Add one key block's share of dQ (acc_dq, fp32, MMA layout) into the global accumulator with atomics.
+// How add_dq_to_accum brings one key block's share of dQ (fp32, MMA layout) to the global accumulator.
 // Scalar atomics on the MMA layout touch half-used sectors and made the backward L2-bound. Three better
 // ways: on sm90, where each warp owns a 32 x 32 dQ slab, the warp re-tiles its slab alone into float4 rows
 // (no CTA barrier); else re-tile dQ CTA-wide through the bytes of sP and sdS (free once the GEMMs are done)
 // so each thread adds 4 consecutive floats (float4 atomics on sm90, coalesced scalars on sm80); or, on
 // sm90, add the MMA's column pairs directly as float2 atomics (4 threads fill a 32-byte sector).
+// Measured on the H100 (bench/NOTES.md v4, v8): where the warps own 32 x 32 slabs (d64, d128), each warp
+// re-tiles its own slab, which beat both alternatives by 4-8%; elsewhere CTA-wide staging wins at
+// head_dim <= 64 and direct float2 atomics (which already fill whole 32-byte sectors) above, where the
+// staging's two barriers and smem traffic cost more.
+enum class DqPath { kWarpSlabs, kStagedInPdS, kDirect };
+template <typename Traits>
+__device__ constexpr DqPath dq_path() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kVectorAtomics = true;  // red.global.add.v2/v4.f32
+  if (Traits::kDqWarpSlabs) return DqPath::kWarpSlabs;
+#else
+  constexpr bool kVectorAtomics = false;
+#endif
+  constexpr bool kFitsInPdS = 2 * Traits::kPdSElems * sizeof(typename Traits::Element) >=
+                              Traits::kBlockM * Traits::kHeadDim * sizeof(float);
+  return (!kVectorAtomics || Traits::kHeadDim <= 64) && kFitsInPdS ? DqPath::kStagedInPdS : DqPath::kDirect;
+}
+
+// Add one key block's share of dQ into the global accumulator with atomics, the dq_path() way.
 // kCheckBounds = false only for whole query blocks with head_dim == kHeadDim, where every row and column
 // is in range.
 template <typename Traits, bool kCheckBounds, typename Acc, typename Coord>
@@ -245,17 +264,7 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
                                                 float* dq_accum, int row_offset, int seqlen_q,
                                                 BwdParams const& p) {
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool kVectorAtomics = true;  // red.global.add.v2/v4.f32
-#else
-  constexpr bool kVectorAtomics = false;
-#endif
-  // Measured on the H100 (bench/NOTES.md v4, v8): where the warps own 32 x 32 slabs (d64, d128), each warp
-  // re-tiles its own slab, which beat both alternatives by 4-8%; elsewhere CTA-wide staging wins at
-  // head_dim <= 64 and direct float2 atomics (which already fill whole 32-byte sectors) above, where the
-  // staging's two barriers and smem traffic cost more.
-  constexpr bool kStaged = (!kVectorAtomics || kHeadDim <= 64) &&
-      2 * Traits::kPdSElems * sizeof(typename Traits::Element) >= kBlockM * kHeadDim * sizeof(float);
+  constexpr DqPath kPath = dq_path<Traits>();
   static_assert(kHeadDim % 32 == 0);
   const int rows = seqlen_q - row_offset;
   // Row stride of the accumulator, a constant on whole blocks: there every atomic's address is one base
@@ -263,7 +272,7 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
   const int ld = kCheckBounds ? p.head_dim : kHeadDim;
   float* dq_rows = dq_accum + int64_t(row_offset) * ld;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (Traits::kDqWarpSlabs) {
+  if constexpr (kPath == DqPath::kWarpSlabs) {
     // Each warp re-tiles its own 32 x 32 slab (traits.h) in its own 4 KB past the block's shared memory,
     // so only the warp synchronises: no CTA barrier before or after. Rows are 128 bytes with the 32-byte
     // blocks XOR-swizzled by row % 4: the fragment's float2 writes (8 rows x 32 bytes) take 2 wavefronts,
@@ -294,7 +303,7 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
     }
   } else
 #endif
-  if constexpr (kStaged) {
+  if constexpr (kPath == DqPath::kStagedInPdS) {
     // Stage layout: row-major (kBlockM, kHeadDim) floats, XOR-swizzled by row % 8 so that the column-pair
     // writes of one MMA fragment (8 rows x 8 columns, 256 bytes) take the minimum 2 wavefronts. The swizzle
     // unit is the 32-byte block those 8 columns fill; 16-byte units left 2-way conflicts (ncu, head dim 64:
@@ -338,7 +347,8 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
     for (int i = 0; i < size(acc_dq); i += 2) {
       const int r = get<0>(coord(i)), c = get<1>(coord(i));
       if (!kCheckBounds || (r < rows && c < p.head_dim)) {
-        // (dq_rows + r * ld + c here was 0-1.5% slower at head_dim 128, when d128 took this path; v8.)
+        // dq_rows + r * ld + c here was 0-1.5% slower at head_dim 128 (v8), and 1-3% at d96, 12-16% at d256
+        // with 400+ B of spills (every element's address stays live); scalar atomics on top: 16-40% (v10).
         float* dst = dq_accum + int64_t(row_offset + r) * p.head_dim + c;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc_dq(i), acc_dq(i + 1)));
@@ -464,13 +474,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
                            seq.seqlen_k);
     __syncthreads();  // sP and sdS complete: every warp reads all of them below
 
-    gemm_ss(mma_dkv, acc_dv, tdKVrA, tdKVrB, tdVsPt, thr_b_dkv.partition_S(sdOt), copy_a_dkv, copy_b_dkv, thr_a_dkv,
-            thr_b_dkv);
-    gemm_ss(mma_dkv, acc_dk, tdKVrA, tdKVrB, tdKsdSt, thr_b_dkv.partition_S(sQt), copy_a_dkv, copy_b_dkv, thr_a_dkv,
-            thr_b_dkv);
-
-    if (!p.deterministic) {
-      // This key block's share of dQ, added into the fp32 accumulator (softmax_scale applied later).
+    // This key block's share of dQ, added into the fp32 accumulator (softmax_scale applied later).
+    auto dq_step = [&] {
+      if (p.deterministic) return;
       Tensor acc_dq = partition_fragment_C(mma_dq, BlockQ{});
       clear(acc_dq);
       bwd_dq_tile<Traits>(acc_dq, sdS, sKt);
@@ -481,7 +487,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
         add_dq_to_accum<Traits, true>(acc_dq, tdQcdQ, smem.dq_stage(), dq_accum, row_offset,
                                       seq.seqlen_q, p);
       }
-    }
+    };
+    // With direct atomics, dQ goes between dV and dK: the atomics drain while the dK MMAs run, not just before
+    // the next block's barrier (+3% at d96, neutral at d256 on the H100; bench/NOTES.md v10). The warp slabs
+    // (d64, d128) measured neutral either way and keep dQ last; the CTA-wide staging must (dK reads sdS).
+    constexpr bool kDqBeforeDk = dq_path<Traits>() == DqPath::kDirect;
+    gemm_ss(mma_dkv, acc_dv, tdKVrA, tdKVrB, tdVsPt, thr_b_dkv.partition_S(sdOt), copy_a_dkv, copy_b_dkv, thr_a_dkv,
+            thr_b_dkv);
+    if constexpr (kDqBeforeDk) dq_step();
+    gemm_ss(mma_dkv, acc_dk, tdKVrA, tdKVrB, tdKsdSt, thr_b_dkv.partition_S(sQt), copy_a_dkv, copy_b_dkv, thr_a_dkv,
+            thr_b_dkv);
+    if constexpr (!kDqBeforeDk) dq_step();
 
     if (kStages == 1 && m_block + 1 < m_block_end) {
       __syncthreads();  // every warp is done reading sQ and sdO

@@ -16,16 +16,17 @@ namespace fa2 {
 // rows per block (S/dP in two 64-row passes, traits.h): the dQ GEMM's warps get 32 x 32 slabs and a block
 // pays its barriers once per 128 rows, +3-7% on the H100 over 64 rows (bench/NOTES.md v8); 160 KB of smem
 // (192 KB on sm90, with the warps' own dQ slabs).
+// kStagesBigSmem: the Q/dO stages where a block may use more than an A100's 163 KB (H100: 227 KB). d256 with
+// two takes 208 KB; FA2 makes the same choice at run time (bench/NOTES.md v10). Other head dims: not measured.
 template <int kHeadDim> struct BwdConfig {
   static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kStages = kHeadDim <= 128 ? 2 : 1;
+  static constexpr int kStagesBigSmem = kHeadDim == 256 ? 2 : kStages;
 };
 
-template <int kHeadDim, DType kDType>
-void run_bwd(const BwdParams& p, cudaStream_t stream) {
-  using Config = BwdConfig<kHeadDim>;
-  using Traits = BwdTraits<kHeadDim, Config::kBlockM, Config::kBlockN, Config::kStages, kDType>;
+template <typename Traits>
+void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
   const int rows_per_cta = kRowKernelWarps * (32 / row_lanes(p.head_dim));  // preprocess / convert
   const dim3 row_grid(ceil_div_host(p.seqlen_q, rows_per_cta), p.nheads, p.batch);
@@ -50,6 +51,18 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
     bwd_convert_dq_kernel<Element><<<row_grid, 32 * kRowKernelWarps, 0, stream>>>(p);
     check_cuda(cudaGetLastError(), "bwd convert launch");
   }
+}
+
+template <int kHeadDim, DType kDType>
+void run_bwd(const BwdParams& p, cudaStream_t stream) {
+  using C = BwdConfig<kHeadDim>;
+  using Traits = BwdTraits<kHeadDim, C::kBlockM, C::kBlockN, C::kStages, kDType>;
+  if constexpr (C::kStagesBigSmem != C::kStages) {
+    using Big = BwdTraits<kHeadDim, C::kBlockM, C::kBlockN, C::kStagesBigSmem, kDType>;
+    const int smem = Big::kSmemSize + (device_cc_major() >= 9 ? Big::kDqWarpStageBytes : 0);
+    if (block_smem_limit(p) >= smem) return launch_bwd<Big>(p, stream);
+  }
+  launch_bwd<Traits>(p, stream);
 }
 
 }  // namespace fa2

@@ -52,6 +52,12 @@ int device_attribute(const char* what) {
 inline int device_cc_major() { return device_attribute<cudaDevAttrComputeCapabilityMajor>("compute capability"); }
 inline int device_sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>("multiprocessor count"); }
 
+// Shared memory one block may use (A100 163 KB, H100 227 KB, sm86/89 99 KB), or less where the caller says so.
+inline int block_smem_limit(const BwdParams& p) {
+  const int device = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>("shared memory per block");
+  return p.smem_limit > 0 && p.smem_limit < device ? p.smem_limit : device;
+}
+
 // Causal grids: how many heads' blocks are dispatched heaviest first together (schedule.h). As many heads
 // as have blocks resident at once anyway, so the group's K/V (or Q/dO) stay in L2 as without grouping;
 // rounded down to a divisor of nheads.

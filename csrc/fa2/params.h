@@ -48,6 +48,9 @@ struct BwdParams : FwdParams {
   float* d_sum = nullptr;     // D = rowsum(dO * O), laid out like lse; fp32 workspace
   Strides dout_stride, dq_stride, dk_stride, dv_stride;
   bool deterministic = false;
+  int smem_limit = 0;  // shared memory a block may use, bytes; 0 = the device's opt-in maximum. Head dims with a
+                       // deeper pipeline for large-smem devices (bwd_launch.h) take the A100's configuration
+                       // under a smaller one: a test forces it to run both on one GPU
 };
 
 }  // namespace fa2
