@@ -1,6 +1,7 @@
 """Test setup: the `gpu` marker (skipped, with the reason, where there is no GPU or no built extension), a
 fresh, reproducible seed per test, and a stand-in for the kernels that lets CPU tests run fwd/bwd."""
 import contextlib
+import functools
 import zlib
 
 import pytest
@@ -78,3 +79,29 @@ def recording(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(fa2.interface, "_current_stream", lambda device_index: 1234)
     return ext
+
+
+class _ForcedKeywords:
+    """fa2._C with fixed keywords added to some of its functions."""
+
+    def __init__(self, ext, fixed):
+        self._ext, self._fixed = ext, fixed
+
+    def __getattr__(self, name):
+        fn = getattr(self._ext, name)
+        return functools.partial(fn, **self._fixed[name]) if name in self._fixed else fn
+
+
+@pytest.fixture
+def force_ext_keywords(monkeypatch):
+    """force_ext_keywords(fwd={"head_group": 2}) makes fa2's Python layer call fa2._C.fwd with head_group=2 added:
+    the test-only launch parameters of csrc/CONTRACT.md, which reach configurations the launch would not pick on
+    this GPU. force_ext_keywords() goes back to the plain module."""
+    from fa2 import interface
+
+    ext = interface._ext()
+
+    def force(**fixed):
+        monkeypatch.setattr(interface, "_ext", (lambda: _ForcedKeywords(ext, fixed)) if fixed else (lambda: ext))
+
+    return force

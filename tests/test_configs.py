@@ -2,31 +2,18 @@
 than an A100 gives (H100), and the A100's (csrc/fa2/bwd_launch.h: kStagesBigSmem). The launch picks one from the
 device, so on one GPU only `smem_limit` (csrc/CONTRACT.md) reaches the other. Both must launch what they say
 and agree bit for bit: the stages change when tiles are loaded, not what is computed (GPU)."""
-import functools
 import re
 
 import pytest
 import torch
 
 import fa2
-from fa2 import interface
 from test_bwd import check_grads
 from tolerance import assert_written, poison
 
 pytestmark = pytest.mark.gpu
 
 A100_SMEM = 163 * 1024  # bytes a block may use on an A100 (sm80)
-
-
-class _ForcedSmemLimit:
-    """fa2._C with bwd's smem_limit fixed."""
-
-    def __init__(self, ext, limit):
-        self._ext, self._limit = ext, limit
-
-    def __getattr__(self, name):
-        fn = getattr(self._ext, name)
-        return functools.partial(fn, smem_limit=self._limit) if name == "bwd" else fn
 
 
 def _run_profiled(fn):
@@ -39,7 +26,7 @@ def _run_profiled(fn):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [256, 248], ids=["d256", "d248"])
-def test_big_smem_configuration_matches_the_a100_one(d, causal, monkeypatch, require_kernel):
+def test_big_smem_configuration_matches_the_a100_one(d, causal, force_ext_keywords, require_kernel):
     require_kernel("bwd", d, torch.bfloat16)
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     optin = getattr(props, "shared_memory_per_block_optin", None)
@@ -55,10 +42,9 @@ def test_big_smem_configuration_matches_the_a100_one(d, causal, monkeypatch, req
 
     big, big_kernels = _run_profiled(run)
     check_grads(big, q, k, v, dout, causal, f"d{d} causal={causal}, the device's configuration")
-    ext = interface._ext()
-    monkeypatch.setattr(interface, "_ext", lambda: _ForcedSmemLimit(ext, A100_SMEM))
+    force_ext_keywords(bwd={"smem_limit": A100_SMEM})
     small, small_kernels = _run_profiled(run)
-    monkeypatch.setattr(interface, "_ext", lambda: ext)
+    force_ext_keywords()
     # dK/dV and the deterministic dQ kernel, each in the other configuration.
     assert len(big_kernels) == 2 and len(small_kernels) == 2 and not big_kernels & small_kernels, \
         (big_kernels, small_kernels)

@@ -1,7 +1,6 @@
 """fa2.fwd against the fp64 reference with FlashAttention's tolerance rule (GPU): our error may be at most
 twice that of plain PyTorch attention in the same low precision. Every output buffer is poisoned with NaN
 first, so an element the kernel skipped cannot pass."""
-import functools
 
 import pytest
 import torch
@@ -118,24 +117,12 @@ def test_softmax_scale_below_float_range_is_refused(require_kernel):
     check_fwd(q, k, v, causal=True, softmax_scale=1e-30, tag="scale 1e-30")
 
 
-class _ForcedHeadGroup:
-    """fa2._C with fwd's head_group fixed (csrc/CONTRACT.md), to test group sizes the launch would not pick."""
-
-    def __init__(self, ext, group):
-        self._ext, self._group = ext, group
-
-    def __getattr__(self, name):
-        fn = getattr(self._ext, name)
-        return functools.partial(fn, head_group=self._group) if name == "fwd" else fn
-
-
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
-def test_causal_head_groups_change_the_order_not_the_result(varlen, monkeypatch, require_kernel):
+def test_causal_head_groups_change_the_order_not_the_result(varlen, force_ext_keywords, require_kernel):
     """Causal grids hand out the heaviest query blocks of `head_group` heads first (csrc/fa2/schedule.h). The
     launch picks the group from the GPU's size, so force every divisor of nheads (GQA 3:1, uneven lengths):
     every block is computed the same whatever the order, so the results must agree bit for bit."""
     require_kernel("fwd", 64, torch.bfloat16)
-    from fa2 import interface
     h, hk, d = 6, 2, 64
     if varlen:
         lengths_q, lengths_k = [300, 1, 777, 64], [300, 5, 900, 64]
@@ -148,12 +135,11 @@ def test_causal_head_groups_change_the_order_not_the_result(varlen, monkeypatch,
         q, k, v = randn(2, 700, h, d), randn(2, 900, hk, d), randn(2, 900, hk, d)
         run = lambda: fa2.fwd(q, k, v, causal=True, out=poison(torch.empty_like(q)))  # noqa: E731
         check_fwd(q, k, v, causal=True, tag="causal GQA 6:2, the launch's group")
-    ext = interface._ext()
     results = {}
     for group in (1, 2, 3, 6):
-        monkeypatch.setattr(interface, "_ext", lambda group=group: _ForcedHeadGroup(ext, group))
+        force_ext_keywords(fwd={"head_group": group})
         results[group] = run()
-    monkeypatch.setattr(interface, "_ext", lambda: ext)
+    force_ext_keywords()
     results[0] = run()
     for group, (out, lse) in results.items():
         assert_written(out, name=f"out, head_group {group}")
