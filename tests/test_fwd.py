@@ -1,7 +1,6 @@
 """fa2.fwd against the fp64 reference with FlashAttention's tolerance rule (GPU): our error may be at most
 twice that of plain PyTorch attention in the same low precision. Every output buffer is poisoned with NaN
 first, so an element the kernel skipped cannot pass."""
-
 import pytest
 import torch
 
