@@ -6,6 +6,11 @@
 by reason, by opcode, and the instructions that collect the most samples of the reasons asked for:
 
     python bench/ncu_source.py source.csv.gz [--kernels fa2::bwd_kernel,dq_dk_dv] [--reasons lg,barrier] [--top 8]
+
+--groups puts the forward kernels of the report side by side instead (fa2's first, FA2's second): stall samples
+and executed instructions per group of work (the S = Q K^T MMAs, the O += P V MMAs, their ldmatrix, the softmax
+arithmetic, the global->shared copies, ...), and which instruction produced the operands that the MMAs waited
+for. An MMA is put in a group by where its B operand came from (ldmatrix for S, ldmatrix.trans for P V).
 """
 import argparse
 import csv
@@ -50,6 +55,77 @@ def num(value):
         return 0
 
 
+SOFTMAX_OPS = {"FMNMX", "SHFL", "FMUL", "FFMA", "MUFU", "FADD", "F2FP", "FSETP", "FSEL", "VOTE", "FSWZADD"}
+
+
+def registers(source):
+    """'HMMA.16816.F32.BF16 R24, R172, R36, R24' -> ('HMMA.16816.F32.BF16', [[24], [172], [36], [24]])."""
+    text = re.sub(r"^@!?U?P\w+\s+", "", source.strip())
+    op, _, rest = text.partition(" ")
+    return op, [[int(x) for x in re.findall(r"\bR(\d+)\b", part)] for part in rest.split(",")]
+
+
+def work_groups(rows):
+    """Per group of work: stall samples, instructions executed, and (for the MMA groups) the opcode that last
+    wrote an A or B register of MMAs that stalled on `wait` or `short_sb`, weighted by those samples."""
+    writer = {}  # register -> (position, full opcode) of the instruction that last wrote it, in program order
+    samples, executed, producers = Counter(), Counter(), defaultdict(Counter)
+    for i, r in enumerate(rows):
+        op, regs = registers(r["Source"])
+        base = op.split(".")[0]
+        if base == "HMMA":
+            b_src = writer.get(regs[2][0], (-1, ""))[1]
+            group = "mma P V" if "MT88" in b_src else "mma S" if b_src.startswith("LDSM") else "mma other"
+            waited = num(r.get("stall_wait", "0")) + num(r.get("stall_short_sb", "0"))
+            last = max(writer.get(regs[1][0], (-1, "?")), writer.get(regs[2][0], (-1, "?")))
+            producers[group][last[1].split(".")[0]] += waited
+        elif base == "LDSM":
+            group = "ldmatrix.trans (V)" if "MT88" in op else "ldmatrix (Q, K)"
+        elif base in SOFTMAX_OPS:
+            group = "softmax arithmetic"
+        elif base in ("LDGSTS", "LDGDEPBAR", "DEPBAR") or (base == "STS" and "RZ" in r["Source"]) or \
+                r["Source"].strip().startswith("@!PT"):
+            group = "global->shared copies"
+        elif base == "BAR":
+            group = "barrier"
+        elif base in ("BRA", "EXIT", "BSYNC", "BSSY", "WARPSYNC"):
+            group = "branch"
+        elif base in ("LDL", "STL"):
+            group = "spill"
+        else:
+            group = "integer, address, other"
+        samples[group] += num(r["Warp Stall Sampling (All Samples)"])
+        executed[group] += num(r["Instructions Executed"])
+        # LDSM.x4 writes 4 registers, HMMA 4 accumulators; anything else is counted by its first register.
+        width = 4 if base in ("LDSM", "HMMA") else 1
+        if regs and regs[0] and base not in ("STS", "STG", "RED", "REDG", "BAR", "BRA", "LDGSTS"):
+            for k in range(width):
+                writer[regs[0][0] + k] = (i, op)
+    return samples, executed, producers
+
+
+def compare_groups(ks):
+    fwd = [(n, rows) for n, rows in ks.items() if "fwd_kernel" in n]
+    if len(fwd) != 2:
+        raise SystemExit(f"--groups wants two forward kernels in the report, found {len(fwd)}")
+    (name_a, rows_a), (name_b, rows_b) = fwd
+    sa, ea, pa = work_groups(rows_a)
+    sb, eb, pb = work_groups(rows_b)
+    ta, tb = sum(sa.values()), sum(sb.values())
+    short = lambda n: re.sub(r"[(]int[)]|[(]bool[)]", "", n)[:110]  # noqa: E731
+    print(f"A = {short(name_a)}\nB = {short(name_b)}")
+    print(f"{'group':26} {'samples A':>10} {'samples B':>10} {'A - B':>8} {'% of B':>7}  {'instructions A / B, M':>22}")
+    for g in sorted(set(sa) | set(sb), key=lambda g: -(sa[g] + sb[g])):
+        print(f"{g:26} {sa[g]:10d} {sb[g]:10d} {sa[g] - sb[g]:8d} {100 * (sa[g] - sb[g]) / tb:7.1f}  "
+              f"{ea[g] / 1e6:10.2f} / {eb[g] / 1e6:8.2f}")
+    print(f"{'total':26} {ta:10d} {tb:10d} {ta - tb:8d} {100 * (ta - tb) / tb:7.1f}  "
+          f"{sum(ea.values()) / 1e6:10.2f} / {sum(eb.values()) / 1e6:8.2f}")
+    for g in ("mma S", "mma P V"):
+        fmt = lambda c: ", ".join(f"{op} {n}" for op, n in c.most_common(3) if n)  # noqa: E731
+        print(f"{g}: wait + short_sb samples by the opcode that last wrote an operand: A {fmt(pa[g])}; "
+              f"B {fmt(pb[g])}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv")
@@ -58,7 +134,10 @@ def main():
     ap.add_argument("--reasons", default="lg,barrier,long_sb,mio,short_sb",
                     help="stall reasons (ncu's stall_* columns) to list the top instructions of")
     ap.add_argument("--top", type=int, default=6)
+    ap.add_argument("--groups", action="store_true", help="compare the two forward kernels by group of work")
     a = ap.parse_args()
+    if a.groups:
+        return compare_groups(kernels(a.csv))
     wanted = a.kernels.split(",")
     for name, rows in kernels(a.csv).items():
         if not any(w in name for w in wanted):

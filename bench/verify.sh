@@ -10,13 +10,14 @@
 #       and the batch-1 inference shapes (32 heads, d128, 1k-8k).
 # ab (or ab-bwd): A/B (bench/ab.py) of the tree as it is ("base") against a variant: the tree with the patch
 #       AB_PATCH applied and/or built with CMAKE_CUDA_FLAGS=AB_FLAGS ("variant"; AB_FLAGS2 adds "variant2").
-#       AB_HDIMS (64,128), AB_MODES (bwd), AB_SEQLENS (1024,4096,16384) and AB_DTYPE (bf16) choose what is built
-#       and timed. NOTES v9 and v10 were measured this way.
+#       AB_HDIMS (64,128), AB_KINDS (fwd,bwd), AB_MODES (bwd), AB_SEQLENS (1024,4096,16384) and AB_DTYPE (bf16)
+#       choose what is built and timed. NOTES v9 and v10 were measured this way.
 # ncu: a trimmed build (NCU_HDIMS, default 64,128; NCU_KINDS, default fwd,bwd; bf16, sm90), then for each NCU_RUNS
 #       entry MODE:HDIMS:SEQLEN (default bwd:64,128:4096) one fa2 and one SDPA-flash call under ncu
 #       (bench/ncu_vs_flash.py, non-causal) with the sections and stall metrics the NOTES compare;
-#       NCU_SOURCE=MODE:HDIM:SEQLEN adds a --set full report of that one and its per-SASS-instruction page as CSV
-#       (stall samples by reason), for bench/ncu_source.py.
+#       NCU_SOURCE="MODE:HDIM:SEQLEN ..." adds for each a --set full report and its per-SASS-instruction page as CSV
+#       (stall samples by reason, shared-memory wavefronts and conflicts), for bench/ncu_source.py; NCU_RUNS=" "
+#       skips the summary runs.
 # FA2_CUDA_FLAGS is passed to the full build; BENCH_ARGS replaces its first bench.py's arguments;
 # VERIFY_SECONDS (default 570) is the deadline. Everything lands in $OUT/verify-<mode>.tgz, re-packed after each
 # step, so a call that runs out of time still returns what it finished (the device returns at most 8 files).
@@ -75,22 +76,25 @@ elif [ "$mode" = ncu ]; then
       --section Occupancy --metrics "$metrics" python3 bench/ncu_vs_flash.py --build build/ncu --mode "$m" \
       --hdims "$h" --seqlen "$n"
   done
-  if [ -n "${NCU_SOURCE:-}" ]; then
-    IFS=: read -r m h n <<< "$NCU_SOURCE"
-    timed "ncu source $NCU_SOURCE" 200 ncu-source.log ncu --clock-control none --kernel-name-base demangled \
-      --kernel-name "$(regex "$m")" --set full --import-source yes -f -o "$out/source" python3 bench/ncu_vs_flash.py \
+  for src in ${NCU_SOURCE:-}; do
+    IFS=: read -r m h n <<< "$src"
+    tag=$m-$h-$n
+    timed "ncu source $src" 200 "ncu-source-$tag.log" ncu --clock-control none --kernel-name-base demangled \
+      --kernel-name "$(regex "$m")" --set full --import-source yes -f -o "$out/source-$tag" python3 bench/ncu_vs_flash.py \
       --build build/ncu --mode "$m" --hdims "$h" --seqlen "$n"
-    ncu --import "$out/source.ncu-rep" --page source --csv --print-source sass 2> "$out/source-csv.log" | gzip > "$out/source.csv.gz"
-    rm -f "$out/source.ncu-rep"; pack
-  fi
+    ncu --import "$out/source-$tag.ncu-rep" --page source --csv --print-source sass 2> "$out/source-csv-$tag.log" |
+      gzip > "$out/source-$tag.csv.gz"
+    rm -f "$out/source-$tag.ncu-rep"; pack
+  done
 else
   build() {  # name "flags" [source dir]
-    cmake -S "${3:-.}" -B "build/$1" -G Ninja -DFA2_HEAD_DIMS="$hdims" -DFA2_DTYPES="$dtype" -DCMAKE_CUDA_ARCHITECTURES=90 \
+    cmake -S "${3:-.}" -B "build/$1" -G Ninja -DFA2_HEAD_DIMS="$hdims" -DFA2_DTYPES="$dtype" -DFA2_KINDS="$kinds" \
+      -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DFA2_PTXAS_VERBOSE=ON "-DCMAKE_CUDA_FLAGS=$2" > "$out/cfg-$1.log" 2>&1 &&
       cmake --build "build/$1" -j 6 > "$out/build-$1.log" 2>&1
     echo "build $1: rc $?"
   }
-  hdims=${AB_HDIMS:-64,128} dtype=${AB_DTYPE:-bf16}
+  hdims=${AB_HDIMS:-64,128} dtype=${AB_DTYPE:-bf16} kinds=${AB_KINDS:-fwd,bwd}
   t0=$SECONDS
   src=.
   if [ -n "${AB_PATCH:-}" ]; then

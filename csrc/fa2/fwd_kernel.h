@@ -110,11 +110,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, make_tensor(tOsVt.data() + kv_offset, tOsVt.layout()), smem_copy_v,
             smem_thr_v);
   };
-  // Block n's K or V into buffer `stage`; rows >= max_row are zero-filled (only where kCheckRows).
-  auto load_kv = [&](auto check_rows, auto const& tXgX, auto const& tXsX, int n_block, int stage, int max_row) {
-    copy_tile<decltype(check_rows)::value>(gmem_copy, tXgX(_, _, _, n_block),
-                                           make_tensor(tXsX.data() + stage * kKVElems, tXsX.layout()), tKcK, max_row,
-                                           p.head_dim);
+  // K and V are read block by block from n_block_end - 1 down to 0. Each keeps a running source tile that a
+  // load reads and then steps one block down: one 64-bit add per block instead of a 64-bit multiply per
+  // chunk row (with the zero-fill copies: +2-10% at d64, d128 and d256, d128 spilling 24 B instead of 76; NOTES v11).
+  Tensor tKgKn = tKgK(_, _, _, max(n_block_end - 1, 0));
+  Tensor tVgVn = tVgV(_, _, _, max(n_block_end - 1, 0));
+  const auto k_block_step = stride<3>(tKgK), v_block_step = stride<3>(tVgV);
+  // The next block of K or V into buffer `stage`; rows >= max_row are zero-filled (only where kCheckRows).
+  auto load_next = [&](auto check_rows, auto& tXgXn, auto block_step, auto const& tXsX, int stage, int max_row) {
+    copy_tile<decltype(check_rows)::value>(gmem_copy, tXgXn, make_tensor(tXsX.data() + stage * kKVElems, tXsX.layout()),
+                                           tKcK, max_row, p.head_dim);
+    tXgXn.data() = tXgXn.data() + (-block_step);
   };
   constexpr std::true_type kCut{};      // the block seqlen_k may cut
   constexpr std::false_type kWhole{};   // any other block
@@ -124,8 +130,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   if (n_block_end > 0) {
     copy_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, seq.seqlen_q - row_offset, p.head_dim);
     const int last_rows = seq.seqlen_k - (n_block_end - 1) * kBlockN;
-    load_kv(kCut, tKgK, tKsK, n_block_end - 1, 0, last_rows);
-    if constexpr (kStages == 2) load_kv(kCut, tVgV, tVsV, n_block_end - 1, 0, last_rows);
+    load_next(kCut, tKgKn, k_block_step, tKsK, 0, last_rows);
+    if constexpr (kStages == 2) load_next(kCut, tVgVn, v_block_step, tVsV, 0, last_rows);
     cp_async_fence();
   }
   for (int n_block = n_block_end - 1; n_block >= 0; --n_block) {
@@ -137,8 +143,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
       cp_async_wait<0>();
       __syncthreads();  // K[n], V[n] landed; every warp is done with block n+1, whose buffers are refilled now
       if (n_block > 0) {
-        load_kv(kWhole, tKgK, tKsK, n_block - 1, stage ^ 1, kBlockN);
-        load_kv(kWhole, tVgV, tVsV, n_block - 1, stage ^ 1, kBlockN);
+        load_next(kWhole, tKgKn, k_block_step, tKsK, stage ^ 1, kBlockN);
+        load_next(kWhole, tVgVn, v_block_step, tVsV, stage ^ 1, kBlockN);
         cp_async_fence();
       }
       s_gemm(acc_s, n_block, stage * kKVElems);
@@ -148,13 +154,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
       // and O += P V[n] run. Every refill waits behind a barrier that proves all warps are done reading it.
       cp_async_wait<0>();
       __syncthreads();  // K[n] (and Q) landed; all warps finished O += P V[n+1], so sV may be refilled
-      load_kv(kCut, tVgV, tVsV, n_block, 0, seq.seqlen_k - n_block * kBlockN);
+      load_next(kCut, tVgVn, v_block_step, tVsV, 0, seq.seqlen_k - n_block * kBlockN);
       cp_async_fence();
       s_gemm(acc_s, n_block, 0);
       cp_async_wait<0>();
       __syncthreads();  // V[n] landed; all warps finished S = Q K[n]^T, so sK may be refilled
       if (n_block > 0) {
-        load_kv(kWhole, tKgK, tKsK, n_block - 1, 0, kBlockN);
+        load_next(kWhole, tKgKn, k_block_step, tKsK, 0, kBlockN);
         cp_async_fence();
       }
       softmax_pv(acc_s, 0);

@@ -14,14 +14,14 @@ namespace fa2 {
 // kBlockM/(16*warps)*2 rows of acc_o (head_dim/4 floats per row) and of S (kBlockN/4 floats per row); past
 // ~255 registers the kernel spills. Larger head dims therefore get narrower K/V tiles or more warps.
 // Stages = K/V buffers each. 1 is FA2's schedule (two barriers per key block, each refill behind one).
-// 2 gives one barrier per block, block n-1's K and V loading during all of block n's work: with the lazy
-// rescale it is +3-5% at d64 but -1 to -5% at d128 on the H100 (bench/NOTES.md v9; d128 spills 52 B with
-// it, 76 B without). Other head dims are unmeasured and keep 1. d64 with 2 stages takes 48 KB per CTA, so
-// an A100 still holds two.
+// 2 gives one barrier per block, block n-1's K and V loading during all of block n's work: on the H100 it
+// is +3-5% at d64 (v9) and +1-4% at d96, but -1 to -5% at d128 (v9, v11: 44 B spilled against 24 B) and
+// -5 to -8% at d256 (v10), all in bench/NOTES.md. Other head dims are unmeasured and keep 1. d64 and d96 with
+// 2 stages take 48 and 72 KB per CTA, so an A100 still holds two.
 template <int kHeadDim> struct FwdConfig;
 template <> struct FwdConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4, kStages = 1; };
 template <> struct FwdConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4, kStages = 2; };
-template <> struct FwdConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4, kStages = 1; };
+template <> struct FwdConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4, kStages = 2; };
 template <> struct FwdConfig<128> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4, kStages = 1; };
 template <> struct FwdConfig<160> { static constexpr int kBlockM = 128, kBlockN = 32, kNWarps = 4, kStages = 1; };
 template <> struct FwdConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8, kStages = 1; };

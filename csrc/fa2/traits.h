@@ -41,13 +41,14 @@ struct BaseTraits {
       Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
 
   // Global -> shared: 16-byte cp.async per thread; consecutive threads cover one row chunk so a warp
-  // reads whole 128-byte lines.
+  // reads whole 128-byte lines. The zero-fill form (`.with(false)` reads nothing and writes 16 zero bytes)
+  // lets a predicated tile copy stay one instruction per chunk, with no separate shared-memory stores.
   static constexpr int kGmemElemsPerLoad = 16 / sizeof(Element);
   static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
   using GmemThreadLayout = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
                                   Stride<Int<kGmemThreadsPerRow>, _1>>;
   using GmemTiledCopy = decltype(make_tiled_copy(
-      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemThreadLayout{},
+      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element>{}, GmemThreadLayout{},
       Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
   // Shared -> global (outputs): plain 16-byte loads/stores with the same thread arrangement.
   using GmemTiledCopyOut = decltype(make_tiled_copy(

@@ -12,10 +12,11 @@
 namespace fa2 {
 using namespace cute;
 
-// Global -> shared tile copy that only touches rows < max_row and columns < max_col of the tile.
+// Global -> shared tile copy that only reads rows < max_row and columns < max_col of the tile.
 // `coord` is the copy partition of an identity tensor: it tells each thread which (row, col) its
 // 16-byte chunk covers. Out-of-range chunks are zero-filled in shared memory so that padded keys/values
-// contribute exactly nothing (0 * garbage could be NaN).
+// contribute exactly nothing (0 * garbage could be NaN). The copy atom is cp.async's zero-fill form: one
+// instruction per chunk, predicated by its source size, so the global address is never read there.
 template <bool kCheckRows, typename TiledCopy, typename SrcTensor, typename DstTensor, typename CoordTensor>
 __device__ __forceinline__ void copy_tile(TiledCopy const& tiled_copy, SrcTensor const& src, DstTensor&& dst,
                                           CoordTensor const& coord, int max_row, int max_col) {
@@ -24,11 +25,7 @@ __device__ __forceinline__ void copy_tile(TiledCopy const& tiled_copy, SrcTensor
     const bool row_ok = !kCheckRows || get<0>(coord(0, m, 0)) < max_row;
     CUTE_UNROLL
     for (int k = 0; k < size<2>(src); ++k) {
-      if (row_ok && get<1>(coord(0, m, k)) < max_col) {
-        copy(tiled_copy, src(_, m, k), dst(_, m, k));
-      } else {
-        clear(dst(_, m, k));
-      }
+      copy(tiled_copy.with(row_ok && get<1>(coord(0, m, k)) < max_col), src(_, m, k), dst(_, m, k));
     }
   }
 }
