@@ -134,12 +134,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     if constexpr (kStages == 2) load_next(kCut, tVgVn, v_block_step, tVsV, 0, last_rows);
     cp_async_fence();
   }
-  for (int n_block = n_block_end - 1; n_block >= 0; --n_block) {
-    Tensor acc_s = partition_fragment_C(tiled_mma, BlockS{});
-    if constexpr (kStages == 2) {
-      // Two buffers each: block n's K and V were loaded during block n+1, and block n-1's load into the
-      // other buffers overlaps all of this block's work. One barrier per block.
-      const int stage = (n_block_end - 1 - n_block) & 1;
+  if constexpr (kStages == 2) {
+    // Two buffers each: block n's K and V were loaded during block n+1, and block n-1's load into the
+    // other buffers overlaps all of this block's work. One barrier per block. With kUnrollStages the loop is
+    // unrolled by two, so each body's buffer is a compile-time constant (immediate ldmatrix offsets instead of
+    // a per-block select); otherwise `stage` is an int that alternates.
+    auto block_in_stage = [&](int n_block, auto stage) {
+      Tensor acc_s = partition_fragment_C(tiled_mma, BlockS{});
       cp_async_wait<0>();
       __syncthreads();  // K[n], V[n] landed; every warp is done with block n+1, whose buffers are refilled now
       if (n_block > 0) {
@@ -149,9 +150,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
       }
       s_gemm(acc_s, n_block, stage * kKVElems);
       softmax_pv(acc_s, stage * kKVElems);
+    };
+    if constexpr (Traits::kUnrollStages) {
+      for (int n_block = n_block_end - 1; n_block >= 0; n_block -= 2) {
+        block_in_stage(n_block, Int<0>{});
+        if (n_block == 0) break;
+        block_in_stage(n_block - 1, Int<1>{});
+      }
     } else {
+      for (int n_block = n_block_end - 1; n_block >= 0; --n_block) {
+        block_in_stage(n_block, (n_block_end - 1 - n_block) & 1);
+      }
+    }
+  } else {
+    for (int n_block = n_block_end - 1; n_block >= 0; --n_block) {
       // One buffer each (FA2): V[n] streams in while S = Q K[n]^T runs; K[n-1] streams in while softmax
       // and O += P V[n] run. Every refill waits behind a barrier that proves all warps are done reading it.
+      Tensor acc_s = partition_fragment_C(tiled_mma, BlockS{});
       cp_async_wait<0>();
       __syncthreads();  // K[n] (and Q) landed; all warps finished O += P V[n+1], so sV may be refilled
       load_next(kCut, tVgVn, v_block_step, tVsV, 0, seq.seqlen_k - n_block * kBlockN);

@@ -27,11 +27,15 @@ template <> struct FwdConfig<160> { static constexpr int kBlockM = 128, kBlockN 
 template <> struct FwdConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8, kStages = 1; };
 template <> struct FwdConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8, kStages = 1; };
 template <> struct FwdConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8, kStages = 1; };
+// Two stages only: unroll the key-block loop by two, each half on a fixed buffer. d64: +2 to +6% (236 registers
+// against 229); d96: -3 to -5%, spilling 40 B at 255 registers (bench/NOTES.md v11).
+template <int kHeadDim> constexpr bool kFwdUnrollStages = kHeadDim == 64;
 
 template <int kHeadDim, DType kDType>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
   using Config = FwdConfig<kHeadDim>;
-  using Traits = FwdTraits<kHeadDim, Config::kBlockM, Config::kBlockN, Config::kNWarps, Config::kStages, kDType>;
+  using Traits = FwdTraits<kHeadDim, Config::kBlockM, Config::kBlockN, Config::kNWarps, Config::kStages, kDType,
+                           kFwdUnrollStages<kHeadDim>>;
   constexpr int smem = Traits::kSmemSize;
   constexpr auto kernel = &fwd_kernel<Traits>;
   allow_smem<kernel>(smem, "fwd smem");

@@ -63,7 +63,8 @@ struct BaseTraits {
   using SmemCopyAtomOut = Copy_Atom<UniversalCopy<uint32_t>, Element>;
 };
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, DType kDType>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, DType kDType,
+          bool kUnrollStages_ = false>
 struct FwdTraits : BaseTraits<kHeadDim_, kNWarps_, kDType> {
   using Base = BaseTraits<kHeadDim_, kNWarps_, kDType>;
   using typename Base::Element;
@@ -73,6 +74,10 @@ struct FwdTraits : BaseTraits<kHeadDim_, kNWarps_, kDType> {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;  // K/V buffers each: 2 lets the next tile load during this one
   static_assert(kStages == 1 || kStages == 2);
+  // With 2 stages, unroll the key-block loop by two so each copy of the body reads a fixed buffer (immediate
+  // ldmatrix offsets): costs registers, so it is a per-head-dim choice (fwd_launch.h).
+  static constexpr bool kUnrollStages = kUnrollStages_;
+  static_assert(!kUnrollStages || kStages == 2);
   static_assert(kBlockM % (16 * kNWarps_) == 0, "each warp owns whole 16-row MMA slabs of Q");
 
   // FA2's work split: warps tile the rows of Q only, so each warp owns complete rows of S and of O
