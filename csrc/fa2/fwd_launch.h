@@ -27,7 +27,7 @@ template <> struct FwdConfig<160> { static constexpr int kBlockM = 128, kBlockN 
 template <> struct FwdConfig<192> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8, kStages = 1; };
 template <> struct FwdConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8, kStages = 1; };
 template <> struct FwdConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8, kStages = 1; };
-// Two stages only: unroll the key-block loop by two, each half on a fixed buffer. d64: +2 to +6% (236 registers
+// Two stages only: unroll the key-block loop by two, each half on a fixed buffer. d64: +1 to +7% (236 registers
 // against 229); d96: -3 to -5%, spilling 40 B at 255 registers (bench/NOTES.md v11).
 template <int kHeadDim> constexpr bool kFwdUnrollStages = kHeadDim == 64;
 
