@@ -40,12 +40,6 @@ def kernels(path):
     return out
 
 
-def opcode(source):
-    """'@!P0 LDG.E.128 R4, [R2.64]' -> 'LDG'."""
-    words = source.split()
-    if words and words[0].startswith("@"):
-        words = words[1:]
-    return words[0].split(".")[0] if words else "?"
 
 
 def num(value):
@@ -63,6 +57,11 @@ def registers(source):
     text = re.sub(r"^@!?U?P\w+\s+", "", source.strip())
     op, _, rest = text.partition(" ")
     return op, [[int(x) for x in re.findall(r"\bR(\d+)\b", part)] for part in rest.split(",")]
+
+
+def opcode(source):
+    """'@!P0 LDG.E.128 R4, [R2.64]' -> 'LDG'."""
+    return registers(source)[0].split(".")[0] or "?"
 
 
 def work_groups(rows):
