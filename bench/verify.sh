@@ -10,7 +10,8 @@
 #       and the batch-1 inference shapes (32 heads, d128, 1k-8k).
 # ab (or ab-bwd): A/B (bench/ab.py) of the tree as it is ("base") against a variant: the tree with the patch
 #       AB_PATCH applied and/or built with CMAKE_CUDA_FLAGS=AB_FLAGS ("variant"; AB_FLAGS2 adds "variant2").
-#       AB_HDIMS (64,128), AB_KINDS (fwd,bwd), AB_MODES (bwd), AB_SEQLENS (1024,4096,16384) and AB_DTYPE (bf16)
+#       AB_HDIMS (64,128), AB_KINDS (fwd,bwd; fwd only halves the build,
+#       bwd alone builds fwd too), AB_MODES (bwd), AB_SEQLENS (1024,4096,16384) and AB_DTYPE (bf16)
 #       choose what is built and timed. NOTES v9 and v10 were measured this way.
 # ncu: a trimmed build (NCU_HDIMS, default 64,128; NCU_KINDS, default fwd,bwd; bf16, sm90), then for each NCU_RUNS
 #       entry MODE:HDIMS:SEQLEN (default bwd:64,128:4096) one fa2 and one SDPA-flash call under ncu
@@ -64,6 +65,8 @@ elif [ "$mode" = ncu ]; then
   metrics=l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum
   metrics+=,lts__t_sectors_op_red.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
   metrics+=,smsp__inst_executed.sum,smsp__inst_executed_op_ldsm.sum
+  # shared-memory pipe busy = wavefronts / (SMs * cycles): one wavefront per cycle per SM at most
+  metrics+=,sm__cycles_elapsed.avg,l1tex__data_pipe_lsu_wavefronts.sum
   for r in barrier long_scoreboard math_pipe_throttle mio_throttle short_scoreboard wait lg_throttle no_instruction \
            not_selected selected dispatch_stall branch_resolving; do
     metrics+=,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
@@ -95,6 +98,7 @@ else
     echo "build $1: rc $?"
   }
   hdims=${AB_HDIMS:-64,128} dtype=${AB_DTYPE:-bf16} kinds=${AB_KINDS:-fwd,bwd}
+  case $kinds in *fwd*) ;; *) kinds=fwd,$kinds ;; esac  # a backward's check and timing need the forward's lse
   t0=$SECONDS
   src=.
   if [ -n "${AB_PATCH:-}" ]; then

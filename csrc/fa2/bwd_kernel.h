@@ -412,13 +412,31 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   Tensor tQgdO = gmem_thr.partition_S(gdO);
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(BlockQ{}));
   Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(BlockKV{}));
-  auto load_q_do = [&](int m_block, int stage) {
+  // Query blocks are loaded in order from m_block_begin up. Where Traits::kRunningQdO, Q and dO each keep a running
+  // source tile that a load reads and then steps one block on (one 64-bit add per block instead of a 64-bit multiply
+  // per chunk row, as in the forward); else each load indexes its block afresh. Per head dim (bwd_launch.h). The two
+  // branches below are spelled out: sharing one copy lambda changed ptxas's schedule of the indexed form (d96 SASS).
+  Tensor tQgQn = tQgQ(_, _, _, m_block_begin);
+  Tensor tQgdOn = tQgdO(_, _, _, m_block_begin);
+  const auto q_block_step = stride<3>(tQgQ), do_block_step = stride<3>(tQgdO);
+  auto load_q_do = [&](int m_block, int stage) {  // m_block: the block after the last one loaded
     const int rows = seq.seqlen_q - m_block * kBlockM;
     Tensor tQsQ = gmem_thr.partition_D(smem.tensor(smem.q(stage), typename Traits::SmemLayoutQdO{}));
     Tensor tQsdO = gmem_thr.partition_D(smem.tensor(smem.dout(stage), typename Traits::SmemLayoutQdO{}));
     // Whole blocks (all but the last, when head_dim is a compiled size) skip the per-chunk row/column tests:
     // with the unchecked dQ atomics below, +1.5-2.6% on the d128 backward (bench/NOTES.md v7).
-    if (rows >= kBlockM && p.head_dim == kHeadDim) {
+    const bool whole = rows >= kBlockM && p.head_dim == kHeadDim;
+    if constexpr (Traits::kRunningQdO) {
+      if (whole) {
+        copy(gmem_copy, tQgQn, tQsQ);
+        copy(gmem_copy, tQgdOn, tQsdO);
+      } else {
+        copy_tile<true>(gmem_copy, tQgQn, tQsQ, tQcQ, rows, p.head_dim);
+        copy_tile<true>(gmem_copy, tQgdOn, tQsdO, tQcQ, rows, p.head_dim);
+      }
+      tQgQn.data() = tQgQn.data() + q_block_step;
+      tQgdOn.data() = tQgdOn.data() + do_block_step;
+    } else if (whole) {
       copy(gmem_copy, tQgQ(_, _, _, m_block), tQsQ);
       copy(gmem_copy, tQgdO(_, _, _, m_block), tQsdO);
     } else {

@@ -18,12 +18,21 @@ namespace fa2 {
 // (192 KB on sm90, with the warps' own dQ slabs).
 // kStagesBigSmem: the Q/dO stages where a block may use more than an A100's 163 KB (H100: 227 KB). d256 with
 // two takes 208 KB; FA2 makes the same choice at run time (bench/NOTES.md v10). Other head dims: not measured.
+// kRunningQdO (traits.h): on the H100 +1.6 to +2.6% at d128 (60 B spilled instead of 80), -2 to -5% at d96, -0.3 to
+// -2% at d64, neutral at d256 (bench/NOTES.md v12); other head dims are unmeasured and keep indexed loads.
 template <int kHeadDim> struct BwdConfig {
   static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kStages = kHeadDim <= 128 ? 2 : 1;
   static constexpr int kStagesBigSmem = kHeadDim == 256 ? 2 : kStages;
+  static constexpr bool kRunningQdO = kHeadDim == 128;
 };
+
+// Dynamic shared memory of bwd_kernel: the warps' own dQ slabs come on top where the device runs the sm90 code.
+template <typename Traits>
+int bwd_smem_bytes() {
+  return Traits::kSmemSize + (device_cc_major() >= 9 ? Traits::kDqWarpStageBytes : 0);
+}
 
 template <typename Traits>
 void launch_bwd(const BwdParams& p, cudaStream_t stream) {
@@ -34,7 +43,7 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   bwd_preprocess_kernel<Element><<<row_grid, 32 * kRowKernelWarps, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "bwd preprocess launch");
 
-  const int smem = Traits::kSmemSize + (device_cc_major() >= 9 ? Traits::kDqWarpStageBytes : 0);
+  const int smem = bwd_smem_bytes<Traits>();
   allow_smem<&bwd_kernel<Traits>>(smem, "bwd smem");
   const dim3 grid(ceil_div_host(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
   BwdParams main_p = p;  // 8 warps of ~250 registers: one CTA per SM
@@ -56,11 +65,10 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
 template <int kHeadDim, DType kDType>
 void run_bwd(const BwdParams& p, cudaStream_t stream) {
   using C = BwdConfig<kHeadDim>;
-  using Traits = BwdTraits<kHeadDim, C::kBlockM, C::kBlockN, C::kStages, kDType>;
+  using Traits = BwdTraits<kHeadDim, C::kBlockM, C::kBlockN, C::kStages, kDType, C::kRunningQdO>;
   if constexpr (C::kStagesBigSmem != C::kStages) {
-    using Big = BwdTraits<kHeadDim, C::kBlockM, C::kBlockN, C::kStagesBigSmem, kDType>;
-    const int smem = Big::kSmemSize + (device_cc_major() >= 9 ? Big::kDqWarpStageBytes : 0);
-    if (block_smem_limit(p) >= smem) return launch_bwd<Big>(p, stream);
+    using Big = BwdTraits<kHeadDim, C::kBlockM, C::kBlockN, C::kStagesBigSmem, kDType, C::kRunningQdO>;
+    if (block_smem_limit(p) >= bwd_smem_bytes<Big>()) return launch_bwd<Big>(p, stream);
   }
   launch_bwd<Traits>(p, stream);
 }

@@ -106,7 +106,7 @@ struct FwdTraits : BaseTraits<kHeadDim_, kNWarps_, kDType> {
 //   dV += P^T dO, dK += dS^T Q (kBlockN x head_dim): 4 x 2 warps (2 x 4 for 64-key blocks)
 //   dQ = dS K                 (kBlockM x head_dim): 2 x 4 warps (4 x 2 for 128-row blocks or head_dim % 64 != 0)
 // P and dS go through shared memory: dV and dK need them transposed (ldmatrix.trans reads them back).
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, DType kDType>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, DType kDType, bool kRunningQdO_ = false>
 struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
   using Base = BaseTraits<kHeadDim_, 8, kDType>;
   using typename Base::Element;
@@ -117,6 +117,9 @@ struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;  // Q/dO buffers: 2 overlaps the next load with this block's math
   static_assert(kStages == 1 || kStages == 2);
+  // Q and dO loaded from running source tiles stepped one block per load, instead of indexed per block: a
+  // per-head-dim choice (bwd_launch.h), as it moves registers.
+  static constexpr bool kRunningQdO = kRunningQdO_;
 
   using Mma2x4 = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>;
   using Mma4x2 = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
