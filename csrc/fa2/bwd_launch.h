@@ -18,7 +18,7 @@ namespace fa2 {
 // (192 KB on sm90, with the warps' own dQ slabs).
 // kStagesBigSmem: the Q/dO stages where a block may use more than an A100's 163 KB (H100: 227 KB). d256 with
 // two takes 208 KB; FA2 makes the same choice at run time (bench/NOTES.md v10). Other head dims: not measured.
-// kRunningQdO (traits.h): on the H100 +1.6 to +2.6% at d128 (60 B spilled instead of 80), -2 to -5% at d96, -0.3 to
+// kRunningQdO (traits.h): on the H100 +1.6 to +2.6% at d128 (60 B spilled instead of 80), -2 to -5% at d96, 0 to
 // -2% at d64, neutral at d256 (bench/NOTES.md v12); other head dims are unmeasured and keep indexed loads.
 template <int kHeadDim> struct BwdConfig {
   static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
