@@ -5,12 +5,15 @@
 
 --quick: bf16 only and one packed batch, but every head dim of CASES (each has its own shared-memory schedule:
 d256's backward double-buffers Q/dO on the H100, d96's adds dQ between dV and dK; d256's forward has two tiles).
+Both modes then run every head dim again with a block limited to 99 KB (csrc/CONTRACT.md: set_test_overrides), the
+configurations of consumer GPUs (csrc/fa2/config.h), padded and packed: d256's keeps P and dS in the bytes of V.
 """
 import sys
 
 import torch
 
 import fa2
+import fa2._C
 
 CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal)
     (1, 77, 133, 4, 2, 40, True),
@@ -32,28 +35,40 @@ def cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
 
 
-for lq, lk, h, hk, d, causal in VARLEN[:1] if quick else VARLEN:
-    if not any(x >= d for x in built):
-        continue
-    q = torch.randn(sum(lq), h, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(sum(lk), hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    sizes = (cu(lq), cu(lk), max(lq), max(lk))
-    out, lse = fa2.fwd_varlen(q, k, v, *sizes, causal=causal)
-    for det in (False, True):
-        grads = fa2.bwd_varlen(torch.randn_like(out), q, k, v, out, lse, *sizes, causal=causal, deterministic=det)
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
-for b, sq, sk, h, hk, d, causal in CASES:
-    if not any(x >= d for x in built):
-        print(f"skipping head_dim {d}: not in this build ({built})")
-        continue
-    for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16):
-        q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
-        k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=dtype) for _ in range(2))
-        out, lse = fa2.fwd(q, k, v, causal=causal)
-        dout = torch.randn_like(out)
+SMALL_SMEM_CASES = [(1, 130, 75, 2, 1, d, d % 64 == 0) for d in (32, 64, 96, 128, 160, 192, 224, 256)]
+SMALL_SMEM_VARLEN = [([0, 70, 1], [9, 64, 0], 2, 1, d, True) for d in (64, 96, 128, 192, 224, 256)]
+
+
+def run_cases(cases, varlen_cases, dtypes):
+    for lq, lk, h, hk, d, causal in varlen_cases:
+        if not any(x >= d for x in built):
+            continue
+        q = torch.randn(sum(lq), h, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(sum(lk), hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        sizes = (cu(lq), cu(lk), max(lq), max(lk))
+        out, lse = fa2.fwd_varlen(q, k, v, *sizes, causal=causal)
         for det in (False, True):
-            grads = fa2.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det)
+            grads = fa2.bwd_varlen(torch.randn_like(out), q, k, v, out, lse, *sizes, causal=causal, deterministic=det)
         torch.cuda.synchronize()
         assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    for b, sq, sk, h, hk, d, causal in cases:
+        if not any(x >= d for x in built):
+            print(f"skipping head_dim {d}: not in this build ({built})")
+            continue
+        for dtype in dtypes:
+            q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
+            k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=dtype) for _ in range(2))
+            out, lse = fa2.fwd(q, k, v, causal=causal)
+            dout = torch.randn_like(out)
+            for det in (False, True):
+                grads = fa2.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det)
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+
+
+dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)
+run_cases(CASES, VARLEN[:1] if quick else VARLEN, dtypes)
+fa2._C.set_test_overrides(smem_limit=99 * 1024)  # test-only (csrc/CONTRACT.md)
+run_cases(SMALL_SMEM_CASES, SMALL_SMEM_VARLEN, (torch.bfloat16,))
+fa2._C.set_test_overrides()
 print("sanitize cases done")

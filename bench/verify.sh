@@ -5,9 +5,13 @@
 #   run(command="bash bench/verify.sh full", carry=[".whl"])    # ~9 min on the H100 box
 #   run(command="AB_FLAGS=-DSOME_KNOB=1 bash bench/verify.sh ab", carry=[".whl"])
 #
-# full: FA2_CUDA_ARCHS=90 install (all head dims and dtypes), the GPU test suite, compute-sanitizer memcheck
-#       and racecheck, then bench/bench.py --hdims 64,128 with its plot, then as time allows --hdims 96,256
-#       and the batch-1 inference shapes (32 heads, d128, 1k-8k).
+# full: the landing run. Builds what users build (all head dims and dtypes) for VERIFY_ARCHS (default "80;90", the
+#       default build; "80" runs the sm80 code on an H100 through the driver's PTX JIT, warmed first by
+#       bench/jit_warm.py), or takes the module carried in VERIFY_PREBUILT (a folder holding _C*.so, e.g. one that a
+#       previous call left in $OUT), then the GPU test suite with FA2_REQUIRE_GPU=1 (a skip is a failure),
+#       compute-sanitizer memcheck and racecheck, then bench/bench.py --hdims 64,128 with its plot, then as time
+#       allows --hdims 96,256 and the batch-1 inference shapes (32 heads, d128, 1k-8k). VERIFY_STEPS (default
+#       "tests sanitize bench") picks the steps. A module it built is also left in $OUT (split in 15 MB parts).
 # ab (or ab-bwd): A/B (bench/ab.py) of the tree as it is ("base") against a variant: the tree with the patch
 #       AB_PATCH applied and/or built with CMAKE_CUDA_FLAGS=AB_FLAGS ("variant"; AB_FLAGS2 adds "variant2").
 #       AB_HDIMS (64,128), AB_KINDS (fwd,bwd; fwd only halves the build,
@@ -40,22 +44,45 @@ python3 -m pip install -q --no-index --no-deps .whl/*.whl
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1
 
 if [ "$mode" = full ]; then
-  t0=$SECONDS
-  FA2_CUDA_ARCHS=90 CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-index --no-build-isolation \
-    --no-deps -Ccmake.define.FA2_PTXAS_VERBOSE=ON -Ccmake.define.CMAKE_CUDA_FLAGS="${FA2_CUDA_FLAGS:-}" . \
-    > "$out/build.log" 2>&1 || { echo "build failed"; grep -m 20 -E "error" "$out/build.log"; pack; exit 1; }
-  echo "build: $((SECONDS - t0)) s"
-  timed tests 240 tests.log python3 -m pytest -q -p no:cacheprovider tests; tail -2 "$out/tests.log"
-  timed memcheck 90 memcheck.log compute-sanitizer --tool memcheck python3 bench/sanitize.py
-  timed racecheck 90 racecheck.log compute-sanitizer --tool racecheck python3 bench/sanitize.py --quick
-  tail -qn 1 "$out/memcheck.log" "$out/racecheck.log"
-  # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-  timed bench-64-128 200 bench.txt python3 bench/bench.py ${BENCH_ARGS:---hdims 64,128} --out "$out/bench.jsonl"
-  python3 bench/plot.py "$out/bench.jsonl" > "$out/plot.log" 2>&1
-  timed bench-96-256 200 bench-96-256.txt python3 bench/bench.py --hdims 96,256 --seqlens 512,2048,8192 \
-    --out "$out/bench-96-256.jsonl"
-  timed bench-b1h32 100 bench-b1h32.txt python3 bench/bench.py --hdims 128 --batch 1 --nheads 32 \
-    --seqlens 1024,2048,4096,8192 --out "$out/bench-b1h32.jsonl"
+  export CUDA_CACHE_MAXSIZE=4294967296  # the PTX JIT's cache: every kernel of an sm80-only build must fit
+  steps=" ${VERIFY_STEPS:-tests sanitize bench} "
+  if [ -n "${VERIFY_PREBUILT:-}" ]; then
+    pkg=/tmp/fa2-prebuilt && rm -rf "$pkg" && mkdir -p "$pkg" && cp -r python/fa2 "$pkg"/ &&
+      cat "$VERIFY_PREBUILT"/_C*.so* > "$pkg/fa2/$(ls "$VERIFY_PREBUILT" | grep -m1 -o '^_C[^ ]*\.so')" || exit 1
+    export PYTHONPATH=$pkg
+    echo "prebuilt module from $VERIFY_PREBUILT"
+  else
+    t0=$SECONDS
+    FA2_CUDA_ARCHS=${VERIFY_ARCHS:-80;90} CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-index \
+      --no-build-isolation --no-deps -Ccmake.define.FA2_PTXAS_VERBOSE=ON \
+      -Ccmake.define.CMAKE_CUDA_FLAGS="${FA2_CUDA_FLAGS:-}" . \
+      > "$out/build.log" 2>&1 || { echo "build failed"; grep -m 20 -E "error" "$out/build.log"; pack; exit 1; }
+    echo "build (archs ${VERIFY_ARCHS:-80;90}): $((SECONDS - t0)) s"
+    so=$(cd /tmp && python3 -c "import fa2._C as m; print(m.__file__)")
+    (cd "$OUT" && split -b 15000000 -d "$so" "$(basename "$so")." && ls -la "$OUT")
+  fi
+  python3 -c "import fa2, torch; print(fa2.build_info(), torch.cuda.get_device_name())" | tee "$out/build_info.txt"
+  jit=$(python3 -c "import fa2, torch; major, minor = torch.cuda.get_device_capability()
+print(int(not any(a // 10 == major and a <= 10 * major + minor for a in fa2.build_info()['archs'])))")
+  if [ "$jit" = 1 ]; then timed jit-warm 240 jit.log python3 bench/jit_warm.py --jobs 16; tail -1 "$out/jit.log"; fi
+  if [[ $steps == *" tests "* ]]; then
+    timed tests 300 tests.log env FA2_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider tests
+    tail -2 "$out/tests.log"
+  fi
+  if [[ $steps == *" sanitize "* ]]; then
+    timed memcheck 150 memcheck.log compute-sanitizer --tool memcheck python3 bench/sanitize.py
+    timed racecheck 150 racecheck.log compute-sanitizer --tool racecheck python3 bench/sanitize.py --quick
+    tail -qn 1 "$out/memcheck.log" "$out/racecheck.log"
+  fi
+  if [[ $steps == *" bench "* ]]; then
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
+    timed bench-64-128 200 bench.txt python3 bench/bench.py ${BENCH_ARGS:---hdims 64,128} --out "$out/bench.jsonl"
+    python3 bench/plot.py "$out/bench.jsonl" > "$out/plot.log" 2>&1
+    timed bench-96-256 200 bench-96-256.txt python3 bench/bench.py --hdims 96,256 --seqlens 512,2048,8192 \
+      --out "$out/bench-96-256.jsonl"
+    timed bench-b1h32 100 bench-b1h32.txt python3 bench/bench.py --hdims 128 --batch 1 --nheads 32 \
+      --seqlens 1024,2048,4096,8192 --out "$out/bench-b1h32.jsonl"
+  fi
 elif [ "$mode" = ncu ]; then
   t0=$SECONDS
   cmake -S . -B build/ncu -G Ninja -DFA2_HEAD_DIMS="${NCU_HDIMS:-64,128}" -DFA2_KINDS="${NCU_KINDS:-fwd,bwd}" \

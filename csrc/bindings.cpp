@@ -78,6 +78,27 @@ void check_sizes(const fa2::FwdParams& p) {
           "softmax_scale must be finite and at least 1.2e-38 (float's smallest normal number)");
 }
 
+// Test-only launch parameters (csrc/CONTRACT.md: set_test_overrides), process-wide: 0 leaves each to the launch.
+// They reach configurations that this GPU would not pick, so that one GPU can test them all; neither changes
+// what is computed.
+std::atomic<int> g_smem_limit{0};  // shared memory a block may use, below the device's: another GPU's configurations
+std::atomic<int> g_head_group{0};  // causal grids: heads whose blocks go heaviest first together
+
+void apply_test_overrides(fa2::FwdParams& p) {
+  p.smem_limit = g_smem_limit.load(std::memory_order_relaxed);
+  const int group = g_head_group.load(std::memory_order_relaxed);
+  require(group == 0 || p.nheads % group == 0, "the test override head_group=" + std::to_string(group) +
+                                                   " must divide nheads=" + std::to_string(p.nheads));
+  p.head_group = group;
+}
+
+void set_test_overrides(int smem_limit, int head_group) {
+  require(smem_limit >= 0, "smem_limit must be >= 0 (0: the device's)");
+  require(head_group >= 0, "head_group must be >= 0 (0: chosen at launch)");
+  g_smem_limit.store(smem_limit, std::memory_order_relaxed);
+  g_head_group.store(head_group, std::memory_order_relaxed);
+}
+
 // Instantiations compiled into this build, as (head dim, dtype) lists.
 struct Instance { int head_dim; DType dtype; };
 #define FA2_INSTANCE(D, T) Instance{D, DType::T},
@@ -121,13 +142,11 @@ void fill_common(fa2::FwdParams& p, uintptr_t q, uintptr_t k, uintptr_t v, uintp
 void fwd(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, StrideTuple q_stride,
          StrideTuple k_stride, StrideTuple v_stride, StrideTuple out_stride, int batch, int seqlen_q, int seqlen_k,
          int nheads, int nheads_k, int head_dim, double softmax_scale, bool causal, const std::string& dtype,
-         int device, uintptr_t stream, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, int head_group) {
+         int device, uintptr_t stream, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k) {
   fa2::FwdParams p;
   fill_common(p, q, k, v, out, lse, q_stride, k_stride, v_stride, out_stride, batch, seqlen_q, seqlen_k, nheads,
               nheads_k, head_dim, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, total_q, total_k);
-  require(head_group == 0 || (head_group > 0 && nheads % head_group == 0),
-          "head_group must be 0 (chosen at launch) or a divisor of nheads");
-  p.head_group = head_group;
+  apply_test_overrides(p);
   const DType dt = parse_dtype(dtype);
   const int kernel_dim = pick_head_dim(kFwdInstances, head_dim, dt, "forward");
   check_device(device);
@@ -145,7 +164,7 @@ void bwd(uintptr_t dout, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, u
          StrideTuple dq_stride, StrideTuple dk_stride, StrideTuple dv_stride, int batch, int seqlen_q,
          int seqlen_k, int nheads, int nheads_k, int head_dim, double softmax_scale, bool causal,
          bool deterministic, const std::string& dtype, int device, uintptr_t stream, bool dkv_fp32,
-         uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, int smem_limit) {
+         uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k) {
   fa2::BwdParams p;
   fill_common(p, q, k, v, out, lse, q_stride, k_stride, v_stride, out_stride, batch, seqlen_q, seqlen_k, nheads,
               nheads_k, head_dim, softmax_scale, causal, cu_seqlens_q, cu_seqlens_k, total_q, total_k);
@@ -156,8 +175,7 @@ void bwd(uintptr_t dout, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, u
   p.dk_stride = to_strides(dk_stride), p.dv_stride = to_strides(dv_stride);
   p.deterministic = deterministic;
   p.dkv_fp32 = dkv_fp32;
-  require(smem_limit >= 0, "smem_limit must be >= 0 (0: the device's)");
-  p.smem_limit = smem_limit;
+  apply_test_overrides(p);
   require(p.cu_seqlens_q == nullptr || (p.dout_stride.batch == 0 && p.dq_stride.batch == 0 && p.dk_stride.batch == 0 &&
                                         p.dv_stride.batch == 0),
           "varlen: the batch strides must be 0");
@@ -213,13 +231,16 @@ py::dict build_info() {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fa2 CUDA kernels (FlashAttention-2 on CuTe). Use the fa2 Python package, not this module.";
+  m.def("set_test_overrides", &set_test_overrides,
+        "Test only: launch parameters for every later call (csrc/CONTRACT.md); set_test_overrides() resets them.",
+        py::arg("smem_limit") = 0, py::arg("head_group") = 0);
   m.def("build_info", &build_info, "What this build compiled: CUDA version, archs, head dims, dtypes.");
   m.def("fwd", &fwd, "Attention forward on raw device pointers (see csrc/CONTRACT.md).", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"),
         py::arg("out_stride"), py::arg("batch"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("nheads"),
         py::arg("nheads_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"), py::arg("dtype"),
         py::arg("device"), py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0,
-        py::arg("total_q") = 0, py::arg("total_k") = 0, py::arg("head_group") = 0);
+        py::arg("total_q") = 0, py::arg("total_k") = 0);
   m.def("bwd", &bwd, "Attention backward on raw device pointers (see csrc/CONTRACT.md).", py::arg("dout"),
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"),
         py::arg("dv"), py::arg("dq_accum"), py::arg("d_sum"), py::arg("dout_stride"), py::arg("q_stride"),
@@ -227,6 +248,5 @@ PYBIND11_MODULE(_C, m) {
         py::arg("dv_stride"), py::arg("batch"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("nheads"),
         py::arg("nheads_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("deterministic"), py::arg("dtype"), py::arg("device"), py::arg("stream"), py::arg("dkv_fp32") = false,
-        py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0, py::arg("total_k") = 0,
-        py::arg("smem_limit") = 0);
+        py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0, py::arg("total_k") = 0);
 }

@@ -1,7 +1,7 @@
 """Test setup: the `gpu` marker (skipped, with the reason, where there is no GPU or no built extension), a
 fresh, reproducible seed per test, and a stand-in for the kernels that lets CPU tests run fwd/bwd."""
 import contextlib
-import functools
+import os
 import zlib
 
 import pytest
@@ -10,6 +10,11 @@ import torch
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and the compiled fa2._C (skipped otherwise)")
+
+
+# FA2_REQUIRE_GPU=1 (the GPU landing run, bench/landing.sh): a GPU test that would skip fails instead, and so does
+# any other skip. Where a missing extension, kernel or GPU would otherwise read as "skipped", it is a failure.
+REQUIRE_GPU = os.environ.get("FA2_REQUIRE_GPU", "") == "1"
 
 
 def _gpu_skip_reason():
@@ -24,10 +29,29 @@ def _gpu_skip_reason():
 
 def pytest_collection_modifyitems(config, items):
     reason = _gpu_skip_reason()
+    if reason is not None and REQUIRE_GPU and any("gpu" in item.keywords for item in items):
+        raise pytest.UsageError(f"FA2_REQUIRE_GPU=1, but the GPU tests cannot run: {reason}")
     if reason is not None:
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if REQUIRE_GPU and report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome, report.longrepr = "failed", f"skipped under FA2_REQUIRE_GPU=1: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    report = outcome.get_result()
+    if REQUIRE_GPU and report.skipped:  # a module that skips itself (pytest.importorskip) is a failure too
+        report.outcome = "failed"
 
 
 @pytest.fixture(autouse=True)
@@ -76,32 +100,20 @@ def recording(monkeypatch):
     monkeypatch.setattr(fa2.interface, "_C", ext)
     for module in (fa2.interface, fa2.varlen):  # varlen.py imports the check by name
         monkeypatch.setattr(module, "_check_device_and_build", lambda *args, **kwargs: None)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    # fa2's own name for the device guard, not torch.cuda.device: torch.compile captures torch's attributes when it
+    # first initialises, and a patched torch.cuda.device seen then broke later compiled tests on GPU machines.
+    monkeypatch.setattr(fa2.interface, "_device_guard", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(fa2.interface, "_current_stream", lambda device_index: 1234)
     return ext
 
 
-class _ForcedKeywords:
-    """fa2._C with fixed keywords added to some of its functions."""
-
-    def __init__(self, ext, fixed):
-        self._ext, self._fixed = ext, fixed
-
-    def __getattr__(self, name):
-        fn = getattr(self._ext, name)
-        return functools.partial(fn, **self._fixed[name]) if name in self._fixed else fn
-
-
 @pytest.fixture
-def force_ext_keywords(monkeypatch):
-    """force_ext_keywords(fwd={"head_group": 2}) makes fa2's Python layer call fa2._C.fwd with head_group=2 added:
-    the test-only launch parameters of csrc/CONTRACT.md, which reach configurations the launch would not pick on
-    this GPU. force_ext_keywords() goes back to the plain module."""
+def launch_overrides():
+    """launch_overrides(smem_limit=101376) makes every later kernel launch act as if a block could use only that
+    much shared memory (another GPU's configurations); launch_overrides(head_group=2) forces the causal grids'
+    head groups. The test-only entry point of csrc/CONTRACT.md; reset when the test ends, or by launch_overrides()."""
     from fa2 import interface
 
     ext = interface._ext()
-
-    def force(**fixed):
-        monkeypatch.setattr(interface, "_ext", (lambda: _ForcedKeywords(ext, fixed)) if fixed else (lambda: ext))
-
-    return force
+    yield ext.set_test_overrides
+    ext.set_test_overrides()

@@ -214,11 +214,8 @@ def test_recorded_arguments_are_exactly_the_extension_parameters(recording):
     out, lse = fa2.fwd_varlen(*packed, cu, cu, q.shape[1], k.shape[1])
     fa2.bwd_varlen(torch.randn_like(out), *packed, out, lse, cu, cu, q.shape[1], k.shape[1])
     varlen_only = {"cu_seqlens_q", "cu_seqlens_k", "total_q", "total_k"}
-    # head_group only reorders causal blocks and smem_limit only picks between configurations that compute the
-    # same (csrc/CONTRACT.md): the launch picks them, tests force them.
-    launch_chosen = {"head_group", "smem_limit"}
     assert len(recording.calls) == 4
     for i, (kind, args) in enumerate(recording.calls):
         signature = getattr(ext, kind).__doc__.splitlines()[0]  # pybind11: "fwd(q: int, k: int, ...) -> None"
-        expected = set(re.findall(r"(\w+): ", signature)) - launch_chosen
+        expected = set(re.findall(r"(\w+): ", signature))
         assert sorted(args) == sorted(expected if i >= 2 else expected - varlen_only), kind

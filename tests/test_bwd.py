@@ -43,7 +43,7 @@ def check_grads(got, q, k, v, dout, causal, tag, names=("dq", "dk", "dv")):
     ref64, ref_low = ref_grads(q, k, v, dout, causal, True), ref_grads(q, k, v, dout, causal, False)
     for name, g, r64, rl in zip(("dq", "dk", "dv"), got, ref64, ref_low):
         if name in names:
-            assert_close_to_ref(g, r64, rl, name=f"{name} {tag}", atol=1e-3)
+            assert_close_to_ref(g, r64, rl, name=f"{name} {tag}")
 
 
 @gpu

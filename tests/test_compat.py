@@ -90,7 +90,7 @@ def check(out, grads, ref_fn, inputs, dout, tag):
         ref_out = ref_fn(*leaves, upcast)
         refs[upcast] = (ref_out, *torch.autograd.grad(ref_out, leaves, dout.to(ref_out.dtype)))
     for i, (name, got) in enumerate(zip(("out", "dq", "dk", "dv"), (out, *grads))):
-        assert_close_to_ref(got, refs[True][i], refs[False][i], name=f"{name} {tag}", atol=1e-4 if i == 0 else 1e-3)
+        assert_close_to_ref(got, refs[True][i], refs[False][i], name=f"{name} {tag}")
 
 
 @gpu

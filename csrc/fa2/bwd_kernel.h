@@ -90,7 +90,7 @@ struct BwdSmem {
   __device__ Element* dout(int stage) const { return base + (Traits::kStages + stage) * Traits::kQdOElems; }
   __device__ Element* k() const { return base + 2 * Traits::kStages * Traits::kQdOElems; }
   __device__ Element* v() const { return k() + Traits::kKVElems; }
-  __device__ Element* p() const { return v() + Traits::kKVElems; }
+  __device__ Element* p() const { return Traits::kPdSInV ? v() : v() + Traits::kKVElems; }
   __device__ Element* ds() const { return p() + Traits::kPdSElems; }
   // Where dQ is re-tiled for the atomics: the warps' own slabs past kSmemSize on sm90, else sP and sdS.
   __device__ float* dq_stage() const {
@@ -170,6 +170,7 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
 
   auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomOut{}, mma);
   auto thr_pds = copy_pds.get_thread_slice(tid);
+  if constexpr (Traits::kPdSInV) __syncthreads();  // sP and sdS take V's bytes: every warp's dP GEMM is done with V
   copy(copy_pds, thr_pds.retile_S(convert_type<Element>(acc_s)), thr_pds.partition_D(sP));
   copy(copy_pds, thr_pds.retile_S(convert_type<Element>(acc_dp)), thr_pds.partition_D(sdS));
 }
@@ -323,17 +324,16 @@ __device__ __forceinline__ void add_dq_to_accum(Acc const& acc_dq, Coord const& 
       *reinterpret_cast<float2*>(smem_stage + stage_index(r, c)) = make_float2(acc_dq(i), acc_dq(i + 1));
     }
     __syncthreads();
-    constexpr int kChunksPerRow = kHeadDim / 4;
-    constexpr int kRowsPerPass = Traits::kNThreads / kChunksPerRow;
-    static_assert(Traits::kNThreads % kChunksPerRow == 0 && kBlockM % kRowsPerPass == 0);
-    const int r0 = threadIdx.x / kChunksPerRow, c = (threadIdx.x % kChunksPerRow) * 4;
-    float* thr_dst = dq_rows + r0 * ld + c;
+    // Thread t adds float4 chunks t, t + kNThreads, ... of the row-major tile: consecutive threads take
+    // consecutive chunks, so an atomic instruction covers whole rows wherever the rows allow.
+    constexpr int kChunksPerRow = kHeadDim / 4, kChunks = kBlockM * kChunksPerRow;
     CUTE_UNROLL
-    for (int it = 0; it < kBlockM / kRowsPerPass; ++it) {
-      const int r = r0 + it * kRowsPerPass;
-      if (!kCheckBounds || (r < rows && c < p.head_dim)) {
+    for (int it = 0; it < ceil_div(kChunks, Traits::kNThreads); ++it) {
+      const int chunk = int(threadIdx.x) + it * Traits::kNThreads;
+      const int r = chunk / kChunksPerRow, c = chunk % kChunksPerRow * 4;
+      if ((kChunks % Traits::kNThreads == 0 || chunk < kChunks) && (!kCheckBounds || (r < rows && c < p.head_dim))) {
         const float4 v = *reinterpret_cast<const float4*>(smem_stage + stage_index(r, c));
-        float* dst = thr_dst + it * kRowsPerPass * ld;
+        float* dst = dq_rows + r * ld + c;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         atomicAdd(reinterpret_cast<float4*>(dst), v);
 #else
@@ -449,7 +449,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   typename Traits::TiledMmadKV mma_dkv;
   auto thr_dkv = mma_dkv.get_thread_slice(tid);
   auto copy_a_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomT{}, mma_dkv);
-  auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dkv);
+  auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomdKVB{}, mma_dkv);
   auto thr_a_dkv = copy_a_dkv.get_thread_slice(tid);
   auto thr_b_dkv = copy_b_dkv.get_thread_slice(tid);
   Tensor tdKVrA = thr_dkv.partition_fragment_A(fragment_shape<Element, kBlockN, kBlockM>());
@@ -464,11 +464,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   typename Traits::TiledMmadQ mma_dq;
   Tensor tdQcdQ = mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(BlockQ{}));
 
+  auto load_kv = [&](auto const& gX, auto& sX) {
+    copy_tile<true>(gmem_copy, gmem_thr.partition_S(gX), gmem_thr.partition_D(sX), tKcK, seq.seqlen_k - col_offset,
+                    p.head_dim);
+  };
   if (m_block_begin < m_block_end) {
-    copy_tile<true>(gmem_copy, gmem_thr.partition_S(gK), gmem_thr.partition_D(sK), tKcK, seq.seqlen_k - col_offset,
-                    p.head_dim);
-    copy_tile<true>(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKcK, seq.seqlen_k - col_offset,
-                    p.head_dim);
+    load_kv(gK, sK);
+    load_kv(gV, sV);
     load_q_do(m_block_begin, 0);
     cp_async_fence();
   }
@@ -518,7 +520,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     if constexpr (!kDqBeforeDk) dq_step();
 
     if (kStages == 1 && m_block + 1 < m_block_end) {
-      __syncthreads();  // every warp is done reading sQ and sdO
+      __syncthreads();  // every warp is done reading sQ and sdO (and sP, sdS where they took V's bytes)
+      if constexpr (Traits::kPdSInV) load_kv(gV, sV);
       load_q_do(m_block + 1, 0);
       cp_async_fence();
     }

@@ -1,49 +1,40 @@
-// Backward: the tile configuration per head dim, and the three launches. Included only by the kernel
-// TUs in csrc/kernels/, one (head dim, dtype) each.
+// Backward: which configuration (config.h) runs, and the three launches. Included only by the kernel TUs in
+// csrc/kernels/, one (head dim, dtype) each.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include "fa2/bwd_kernel.h"
+#include "fa2/config.h"
 #include "fa2/launch.h"
 #include "fa2/traits.h"
 
 namespace fa2 {
 
-// (kBlockM, kBlockN, Q/dO stages) per head dim. dK and dV live in registers for the whole CTA
-// (2 * kBlockN * head_dim / 256 floats per thread), so wide heads get narrower key blocks, and a single
-// Q/dO buffer keeps shared memory under the 163 KB an A100 allows per block. head_dim 64 takes 128 query
-// rows per block (S/dP in two 64-row passes, traits.h): the dQ GEMM's warps get 32 x 32 slabs and a block
-// pays its barriers once per 128 rows, +3-7% on the H100 over 64 rows (bench/NOTES.md v8); 160 KB of smem
-// (192 KB on sm90, with the warps' own dQ slabs).
-// kStagesBigSmem: the Q/dO stages where a block may use more than an A100's 163 KB (H100: 227 KB). d256 with
-// two takes 208 KB; FA2 makes the same choice at run time (bench/NOTES.md v10). Other head dims: not measured.
-// kRunningQdO (traits.h): on the H100 +1.6 to +2.6% at d128 (60 B spilled instead of 80), -2 to -5% at d96, 0 to
-// -2% at d64, neutral at d256 (bench/NOTES.md v12); other head dims are unmeasured and keep indexed loads.
-template <int kHeadDim> struct BwdConfig {
-  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
-  static constexpr int kStages = kHeadDim <= 128 ? 2 : 1;
-  static constexpr int kStagesBigSmem = kHeadDim == 256 ? 2 : kStages;
-  static constexpr bool kRunningQdO = kHeadDim == 128;
-};
-
-// Dynamic shared memory of bwd_kernel: the warps' own dQ slabs come on top where the device runs the sm90 code.
+// Dynamic shared memory of bwd_kernel and bwd_dq_kernel: the warps' own dQ slabs come on top where the kernel that
+// runs is sm90+ code (kernel_code_arch), the only code that uses them.
 template <typename Traits>
 int bwd_smem_bytes() {
-  return Traits::kSmemSize + (device_cc_major() >= 9 ? Traits::kDqWarpStageBytes : 0);
+  if constexpr (Traits::kDqWarpStageBytes == 0) {
+    return Traits::kSmemSize;
+  } else {
+    const bool slabs = kernel_code_arch<&bwd_kernel<Traits>>() >= 90;
+    return Traits::kSmemSize + (slabs ? Traits::kDqWarpStageBytes : 0);
+  }
 }
 
 template <typename Traits>
 void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
+  const int smem = bwd_smem_bytes<Traits>();
+  const int limit = block_smem_limit(p);
+  if (smem > limit) throw_smem_too_small("backward", Traits::kHeadDim, smem, limit);
+
   const int rows_per_cta = kRowKernelWarps * (32 / row_lanes(p.head_dim));  // preprocess / convert
   const dim3 row_grid(ceil_div_host(p.seqlen_q, rows_per_cta), p.nheads, p.batch);
-
   bwd_preprocess_kernel<Element><<<row_grid, 32 * kRowKernelWarps, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "bwd preprocess launch");
 
-  const int smem = bwd_smem_bytes<Traits>();
   allow_smem<&bwd_kernel<Traits>>(smem, "bwd smem");
   const dim3 grid(ceil_div_host(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
   BwdParams main_p = p;  // 8 warps of ~250 registers: one CTA per SM
@@ -62,15 +53,25 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   }
 }
 
+// The first configuration whose shared memory fits: BwdConfig's deeper pipeline (kStagesBigSmem), BwdConfig, then
+// the 99 KB one (BwdSmallSmemConfig).
 template <int kHeadDim, DType kDType>
 void run_bwd(const BwdParams& p, cudaStream_t stream) {
   using C = BwdConfig<kHeadDim>;
-  using Traits = BwdTraits<kHeadDim, C::kBlockM, C::kBlockN, C::kStages, kDType, C::kRunningQdO>;
+  using Main = BwdTraits<kHeadDim, C::kBlockM, C::kBlockN, C::kStages, kDType, C::kRunningQdO>;
+  const int limit = block_smem_limit(p);
   if constexpr (C::kStagesBigSmem != C::kStages) {
     using Big = BwdTraits<kHeadDim, C::kBlockM, C::kBlockN, C::kStagesBigSmem, kDType, C::kRunningQdO>;
-    if (block_smem_limit(p) >= bwd_smem_bytes<Big>()) return launch_bwd<Big>(p, stream);
+    if (bwd_smem_bytes<Big>() <= limit) return launch_bwd<Big>(p, stream);
   }
-  launch_bwd<Traits>(p, stream);
+  using Small = BwdSmallSmemConfig<kHeadDim>;
+  if constexpr (Small::kEnabled) {
+    if (bwd_smem_bytes<Main>() > limit) {
+      return launch_bwd<BwdTraits<kHeadDim, Small::kBlockM, Small::kBlockN, Small::kStages, kDType, false,
+                                  Small::kPdSInV>>(p, stream);
+    }
+  }
+  launch_bwd<Main>(p, stream);
 }
 
 }  // namespace fa2

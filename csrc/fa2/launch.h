@@ -52,10 +52,37 @@ int device_attribute(const char* what) {
 inline int device_cc_major() { return device_attribute<cudaDevAttrComputeCapabilityMajor>("compute capability"); }
 inline int device_sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>("multiprocessor count"); }
 
-// Shared memory one block may use (A100 163 KB, H100 227 KB, sm86/89 99 KB), or less where the caller says so.
-inline int block_smem_limit(const BwdParams& p) {
+// Shared memory one block may use (A100 163 KB, H100 227 KB, sm86/89/120 99 KB), or less where a test says so
+// (FwdParams::smem_limit).
+inline int block_smem_limit(const FwdParams& p) {
   const int device = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>("shared memory per block");
   return p.smem_limit > 0 && p.smem_limit < device ? p.smem_limit : device;
+}
+
+// The arch a kernel's device code was compiled for, as 80, 90, ...: the PTX target it came from, which is what its
+// `#if __CUDA_ARCH__` branches saw. Not the device's compute capability: an sm80-only build runs sm80 code on an
+// H100 (through the driver's PTX JIT), and a build for 80 and 90 runs its sm90 code on an sm120 GPU. Queried once
+// per (kernel, device).
+template <auto kKernel>
+int kernel_code_arch() {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  static std::atomic<int> cache[64] = {};
+  int arch = device < 64 ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (arch == 0) {
+    cudaFuncAttributes attr{};
+    check_cuda(cudaFuncGetAttributes(&attr, kKernel), "cudaFuncGetAttributes");
+    arch = attr.ptxVersion;
+    if (device < 64) cache[device].store(arch, std::memory_order_relaxed);
+  }
+  return arch;
+}
+
+// A configuration whose shared memory no block of this GPU may use: a clear error instead of a failed launch.
+[[noreturn]] inline void throw_smem_too_small(const char* kind, int head_dim, int needed, int limit) {
+  throw std::runtime_error(std::string("fa2: the ") + kind + " kernel for head_dim " + std::to_string(head_dim) +
+                           " needs " + std::to_string(needed) + " bytes of shared memory per block and this GPU " +
+                           "allows " + std::to_string(limit) + "; fa2 supports GPUs with at least 99 KB (sm80+)");
 }
 
 // Causal grids: how many heads' blocks are dispatched heaviest first together (schedule.h). As many heads

@@ -28,6 +28,8 @@ struct FwdParams {
   bool causal = false;     // bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
   int head_group = 0;      // causal: heads whose blocks are dispatched heaviest first together; 0 = chosen
                            // at launch (launch.h); a test may force another divisor of nheads
+  int smem_limit = 0;      // shared memory a block may use, bytes; 0 = the device's opt-in maximum. A test
+                           // lowers it to run another GPU's configurations (config.h) on this one
 
   // Packed variable-length batches (both nullptr for padded ones): sequence b owns tokens
   // [cu_seqlens_q[b], cu_seqlens_q[b+1]) of (total_q, nheads, head_dim) q/o and likewise of k/v. Then the
@@ -48,9 +50,6 @@ struct BwdParams : FwdParams {
   float* d_sum = nullptr;     // D = rowsum(dO * O), laid out like lse; fp32 workspace
   Strides dout_stride, dq_stride, dk_stride, dv_stride;
   bool deterministic = false;
-  int smem_limit = 0;  // shared memory a block may use, bytes; 0 = the device's opt-in maximum. Head dims with a
-                       // deeper pipeline for large-smem devices (bwd_launch.h) take the A100's configuration
-                       // under a smaller one: a test forces it to run both on one GPU
 };
 
 }  // namespace fa2

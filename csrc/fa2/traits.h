@@ -102,11 +102,14 @@ struct FwdTraits : BaseTraits<kHeadDim_, kNWarps_, kDType> {
 
 // Backward: a CTA owns one K/V block (kBlockN keys) and walks the query blocks. Eight warps; each GEMM
 // gets its own warp arrangement so every warp has a 32-row-or-wider slab of its output:
-//   S = Q K^T, dP = dO V^T   (64 x kBlockN per pass):  2 x 4 warps
-//   dV += P^T dO, dK += dS^T Q (kBlockN x head_dim): 4 x 2 warps (2 x 4 for 64-key blocks)
+//   S = Q K^T, dP = dO V^T   (64 x kBlockN per pass):  2 x 4 warps (4 x 2 for 32-key blocks)
+//   dV += P^T dO, dK += dS^T Q (kBlockN x head_dim): 4 x 2 warps (2 x 4 for 64- and 32-key blocks)
 //   dQ = dS K                 (kBlockM x head_dim): 2 x 4 warps (4 x 2 for 128-row blocks or head_dim % 64 != 0)
 // P and dS go through shared memory: dV and dK need them transposed (ldmatrix.trans reads them back).
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, DType kDType, bool kRunningQdO_ = false>
+// kPdSInV: P and dS take the bytes of V, which is then reloaded for every query block (config.h: the 99 KB
+// configuration at d256, where nothing else fits).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, DType kDType, bool kRunningQdO_ = false,
+          bool kPdSInV_ = false>
 struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
   using Base = BaseTraits<kHeadDim_, 8, kDType>;
   using typename Base::Element;
@@ -115,30 +118,38 @@ struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
+  static_assert(kBlockN == 32 || kBlockN == 64 || kBlockN == 128);
   static constexpr int kStages = kStages_;  // Q/dO buffers: 2 overlaps the next load with this block's math
   static_assert(kStages == 1 || kStages == 2);
   // Q and dO loaded from running source tiles stepped one block per load, instead of indexed per block: a
-  // per-head-dim choice (bwd_launch.h), as it moves registers.
+  // per-head-dim choice (config.h), as it moves registers.
   static constexpr bool kRunningQdO = kRunningQdO_;
+  static constexpr bool kPdSInV = kPdSInV_;
 
   using Mma2x4 = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>;
   using Mma4x2 = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
+  // 2 x 4 warps of 16 x 8 per MMA step: the dK/dV GEMM of 32-key blocks where head_dim is not a multiple of 64.
+  // A warp's B operand is then 8 columns wide, one ldmatrix .x2 (SmemCopyAtomdKVB).
+  using Mma2x4n8 = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_2, _4, _1>>, Tile<_32, _32, _16>>;
   // S and dP are computed 64 rows at a time (a 128-row block takes two passes): a 64 x 128 accumulator is
-  // what fits in registers beside dK and dV.
+  // what fits in registers beside dK and dV. A 32-key block spreads its 64 x 32 tile over 4 x 2 warps.
   static constexpr int kBlockMSdP = 64;
   static_assert(kBlockM_ % kBlockMSdP == 0);
-  using TiledMmaSdP = Mma2x4;
-  // With 64-key blocks, 4 x 2 would give each warp a 16 x head_dim slab that re-reads all of dO^T / Q^T.
-  using TiledMmadKV = std::conditional_t<kBlockN_ == 64 && kHeadDim % 64 == 0, Mma2x4, Mma4x2>;
+  using TiledMmaSdP = std::conditional_t<kBlockN_ == 32, Mma4x2, Mma2x4>;
+  // With 64- or 32-key blocks, 4 x 2 would give each warp a 16 x head_dim slab that re-reads all of dO^T / Q^T
+  // (or, at 32 keys, not tile at all).
+  using TiledMmadKV = std::conditional_t<kBlockN_ <= 64 && kHeadDim % 64 == 0, Mma2x4,
+                                         std::conditional_t<kBlockN_ == 32, Mma2x4n8, Mma4x2>>;
+  using SmemCopyAtomdKVB = std::conditional_t<std::is_same_v<TiledMmadKV, Mma2x4n8>,
+                                              Copy_Atom<SM75_U16x4_LDSM_T, Element>, typename Base::SmemCopyAtomT>;
   // 32-row warp slabs read 16 KB of dS/K per warp and tile, 16-row slabs 20 KB (shared memory bandwidth);
   // a 128 x 64 block on 4 x 2 warps reads 16 KB per warp for twice the rows.
-  // Blocks of 8192 dQ elements (d64 x 128 rows, d128 x 64 rows): the 8 warps' dQ slabs are contiguous
-  // 32 x 32 squares. The permutations put warp (m, n) on rows [32m, 32m + 32) and columns [32n, 32n + 32)
-  // instead of interleaved 16-row and 8-column groups, so on sm90 each warp re-tiles its own slab for the
-  // atomics (add_dq_to_accum).
-  // (d256 x 64 rows as 32 x 64 slabs measured neutral, -1 to +2%, for 64 KB more smem and 176 B of
-  // spills: bench/NOTES.md v8.)
-  static constexpr bool kDqWarpSlabs = kBlockM_ * kHeadDim == 8 * 32 * 32;
+  // Blocks of 8192 dQ elements (d64 x 128 rows, d128 x 64 rows) with 128-key blocks: the 8 warps' dQ slabs are
+  // contiguous 32 x 32 squares. The permutations put warp (m, n) on rows [32m, 32m + 32) and columns
+  // [32n, 32n + 32) instead of interleaved 16-row and 8-column groups, so on sm90 each warp re-tiles its own slab
+  // for the atomics (add_dq_to_accum), in 32 KB past the other buffers. The 64-key configurations are those
+  // of 99 KB GPUs (config.h), where those 32 KB do not fit.
+  static constexpr bool kDqWarpSlabs = kBlockM_ * kHeadDim == 8 * 32 * 32 && kBlockN_ == 128;
   static constexpr int kSlabWarpsM = kBlockM_ / 32, kSlabWarpsN = 8 / kSlabWarpsM;
   using MmadQSlabs = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<Int<kSlabWarpsM>, Int<kSlabWarpsN>, _1>>,
                               Tile<Layout<Shape<_16, Int<kSlabWarpsM>, _2>, Stride<_1, _32, _16>>,
@@ -148,8 +159,10 @@ struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
 
   using SmemLayoutQdO = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  // P and dS rows are kBlockN (64 or 128) long: always the 128-byte swizzle.
-  using SmemLayoutAtomPdS = decltype(composition(Swizzle<3, 3, 3>{}, Layout<Shape<_8, _64>, Stride<_64, _1>>{}));
+  // P and dS rows are kBlockN long: the 128-byte swizzle, or the 64-byte one for 32-key blocks (as SmemLayoutAtom).
+  static constexpr int kBlockNSmem = kBlockN_ >= 64 ? 64 : 32;
+  using SmemLayoutAtomPdS = decltype(composition(Swizzle<kBlockNSmem == 64 ? 3 : 2, 3, 3>{},
+                                                 Layout<Shape<_8, Int<kBlockNSmem>>, Stride<Int<kBlockNSmem>, _1>>{}));
   using SmemLayoutPdS = decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
   // Transposed views (same bytes) for the operands read along their other dimension.
@@ -162,9 +175,13 @@ struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
   static constexpr int kQdOElems = cosize(SmemLayoutQdO{});
   static constexpr int kKVElems = cosize(SmemLayoutKV{});
   static constexpr int kPdSElems = cosize(SmemLayoutPdS{});
-  static constexpr int kSmemSize = (2 * kStages * kQdOElems + 2 * kKVElems + 2 * kPdSElems) * int(sizeof(Element));
-  // Extra bytes past kSmemSize for the warps' own dQ slabs, launched only on devices with cc >= 9 (227 KB
-  // per block); sm80 code re-tiles in the bytes of sP and sdS instead (an A100 allows 163 KB).
+  // P and dS are written after the dP GEMM, the last reader of V in a query block, in one 64-row pass.
+  static_assert(!kPdSInV || (kStages == 1 && kBlockM == kBlockMSdP && 2 * kPdSElems <= kKVElems));
+  static constexpr int kSmemSize =
+      (2 * kStages * kQdOElems + 2 * kKVElems + (kPdSInV ? 0 : 2 * kPdSElems)) * int(sizeof(Element));
+  // Extra bytes past kSmemSize for the warps' own dQ slabs, used only by sm90+ device code (bwd_kernel.h:
+  // dq_path); sm80 code re-tiles in the bytes of sP and sdS instead. The launch adds them where the kernel that
+  // runs was compiled for sm90+ (bwd_launch.h), whatever GPU it runs on.
   static constexpr int kDqWarpStageBytes = kDqWarpSlabs ? kBlockM * kHeadDim * int(sizeof(float)) : 0;
 };
 

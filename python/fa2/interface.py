@@ -212,10 +212,11 @@ def _launch(name: str, q, k, softmax_scale, causal, strided: dict, workspaces: d
                 device=q.device.index, stream=_current_stream(q.device.index))
     args.update(flags)
     nvtx = torch.cuda.nvtx.range(f"fa2.{name}") if _NVTX else contextlib.nullcontext()
-    with torch.cuda.device(q.device.index), nvtx:
+    with _device_guard(q.device.index), nvtx:
         getattr(_ext(), name)(**args)
 
 
+_device_guard = torch.cuda.device  # the launch's current-device guard (CPU tests replace it, never torch.cuda's own)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds of torch
 
 
