@@ -41,9 +41,11 @@ def ref_grads(q, k, v, dout, causal, upcast):
 
 def check_grads(got, q, k, v, dout, causal, tag, names=("dq", "dk", "dv")):
     ref64, ref_low = ref_grads(q, k, v, dout, causal, True), ref_grads(q, k, v, dout, causal, False)
+    # The three gradients come from the same P, dP and dS: the largest of them scales the slack of each.
+    scale = max((r.abs().max().item() for r in ref64 if r.numel()), default=0.0)
     for name, g, r64, rl in zip(("dq", "dk", "dv"), got, ref64, ref_low):
         if name in names:
-            assert_close_to_ref(g, r64, rl, name=f"{name} {tag}")
+            assert_close_to_ref(g, r64, rl, name=f"{name} {tag}", scale=scale)
 
 
 @gpu

@@ -67,8 +67,8 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
   using Small = BwdSmallSmemConfig<kHeadDim>;
   if constexpr (Small::kEnabled) {
     if (bwd_smem_bytes<Main>() > limit) {
-      return launch_bwd<BwdTraits<kHeadDim, Small::kBlockM, Small::kBlockN, Small::kStages, kDType, false,
-                                  Small::kPdSInV>>(p, stream);
+      return launch_bwd<BwdTraits<Small::kKernelHeadDim, Small::kBlockM, Small::kBlockN, Small::kStages, kDType,
+                                  false, Small::kPdSInV>>(p, stream);
     }
   }
   launch_bwd<Main>(p, stream);

@@ -65,14 +65,17 @@ template <int kHeadDim> struct BwdConfig {
 // d128, d192, d224 and d256 (d32 and d160 fit as they are). Each takes the largest tiles that fit, then a
 // second Q/dO stage if that fits too: 64 query rows, 128 keys at d64, 64 at d96/d128, 32 from d192. At d256
 // even 64 x 32 tiles need 104 KB, so P and dS move into the bytes of V (kPdSInV, traits.h), which then reloads
-// with every query block. These configurations are correct by test on the H100 (a forced limit) but not tuned:
-// no 99 KB GPU is at hand.
+// with every query block. d224 runs that d256 kernel (kKernelHeadDim; the last 32 columns are masked, as for any
+// head dim between compiled sizes): 8 warps cannot copy a 32-row tile of 224 columns in whole passes (it is
+// 3.5 of them), and 64 rows do not fit. These configurations are correct by test on the H100 (a forced limit)
+// but not tuned: no 99 KB GPU is at hand.
 template <int kHeadDim> struct BwdSmallSmemConfig {
   static constexpr bool kEnabled = kHeadDim != 32 && kHeadDim != 160;
+  static constexpr int kKernelHeadDim = kHeadDim == 224 ? 256 : kHeadDim;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = kHeadDim == 64 ? 128 : kHeadDim <= 128 ? 64 : 32;
   static constexpr int kStages = kHeadDim <= 96 ? 2 : 1;
-  static constexpr bool kPdSInV = kHeadDim == 256;
+  static constexpr bool kPdSInV = kKernelHeadDim == 256;
 };
 
 }  // namespace fa2

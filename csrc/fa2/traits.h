@@ -45,7 +45,8 @@ struct BaseTraits {
   // lets a predicated tile copy stay one instruction per chunk, with no separate shared-memory stores.
   static constexpr int kGmemElemsPerLoad = 16 / sizeof(Element);
   static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
-  using GmemThreadLayout = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
+  static constexpr int kGmemRowsPerPass = kNThreads / kGmemThreadsPerRow;  // a tile's rows: a multiple of this
+  using GmemThreadLayout = Layout<Shape<Int<kGmemRowsPerPass>, Int<kGmemThreadsPerRow>>,
                                   Stride<Int<kGmemThreadsPerRow>, _1>>;
   using GmemTiledCopy = decltype(make_tiled_copy(
       Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element>{}, GmemThreadLayout{},
@@ -79,6 +80,8 @@ struct FwdTraits : BaseTraits<kHeadDim_, kNWarps_, kDType> {
   static constexpr bool kUnrollStages = kUnrollStages_;
   static_assert(!kUnrollStages || kStages == 2);
   static_assert(kBlockM % (16 * kNWarps_) == 0, "each warp owns whole 16-row MMA slabs of Q");
+  static_assert(kBlockM % Base::kGmemRowsPerPass == 0 && kBlockN % Base::kGmemRowsPerPass == 0,
+                "tiles are copied in whole passes of the threads: a partial pass would write rows twice");
 
   // FA2's work split: warps tile the rows of Q only, so each warp owns complete rows of S and of O
   // and the online softmax never needs another warp. N = 16 per tile so one ldmatrix.x4 feeds two
@@ -119,6 +122,8 @@ struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static_assert(kBlockN == 32 || kBlockN == 64 || kBlockN == 128);
+  static_assert(kBlockM % Base::kGmemRowsPerPass == 0 && kBlockN % Base::kGmemRowsPerPass == 0,
+                "tiles are copied in whole passes of the threads: a partial pass would write rows twice");
   static constexpr int kStages = kStages_;  // Q/dO buffers: 2 overlaps the next load with this block's math
   static_assert(kStages == 1 || kStages == 2);
   // Q and dO loaded from running source tiles stepped one block per load, instead of indexed per block: a
