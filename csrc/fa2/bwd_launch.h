@@ -28,7 +28,7 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
   const int smem = bwd_smem_bytes<Traits>();
   const int limit = block_smem_limit(p);
-  if (smem > limit) throw_smem_too_small("backward", Traits::kHeadDim, smem, limit);
+  if (smem > limit) throw_smem_too_small("backward", p.head_dim, smem, limit);
 
   const int rows_per_cta = kRowKernelWarps * (32 / row_lanes(p.head_dim));  // preprocess / convert
   const dim3 row_grid(ceil_div_host(p.seqlen_q, rows_per_cta), p.nheads, p.batch);

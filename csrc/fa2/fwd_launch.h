@@ -22,7 +22,7 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr int smem = Traits::kSmemSize;
   constexpr auto kernel = &fwd_kernel<Traits>;
   const int limit = block_smem_limit(params);
-  if (smem > limit) throw_smem_too_small("forward", Traits::kHeadDim, smem, limit);
+  if (smem > limit) throw_smem_too_small("forward", params.head_dim, smem, limit);
   allow_smem<kernel>(smem, "fwd smem");
   const dim3 grid(ceil_div_host(params.seqlen_q, Traits::kBlockM), params.nheads, params.batch);
   FwdParams p = params;

@@ -78,11 +78,12 @@ int kernel_code_arch() {
   return arch;
 }
 
-// A configuration whose shared memory no block of this GPU may use: a clear error instead of a failed launch.
+// The smallest configuration of a kernel needs more shared memory than a block may use here: a clear error instead
+// of a failed launch.
 [[noreturn]] inline void throw_smem_too_small(const char* kind, int head_dim, int needed, int limit) {
-  throw std::runtime_error(std::string("fa2: the ") + kind + " kernel for head_dim " + std::to_string(head_dim) +
-                           " needs " + std::to_string(needed) + " bytes of shared memory per block and this GPU " +
-                           "allows " + std::to_string(limit) + "; fa2 supports GPUs with at least 99 KB (sm80+)");
+  throw std::runtime_error(std::string("fa2: the ") + kind + " for head_dim " + std::to_string(head_dim) + " needs " +
+                           std::to_string(needed) + " bytes of shared memory per block, and a block may use " +
+                           std::to_string(limit) + " here; fa2 supports GPUs that allow at least 99 KB (sm80 and up)");
 }
 
 // Causal grids: how many heads' blocks are dispatched heaviest first together (schedule.h). As many heads
