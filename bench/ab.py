@@ -15,6 +15,7 @@ A build without one of --hdims is skipped for that head dim. Exits non-zero if a
 correctness check.
 """
 import argparse
+import datetime
 import json
 import os
 import subprocess
@@ -93,6 +94,7 @@ def main():
     ap.add_argument("--seqlens", default="1024,4096,16384")
     ap.add_argument("--causal", default="false,true", help="comma list of false, true")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", help="append one JSON object per measurement (each build and its process's SDPA-flash)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -144,6 +146,19 @@ def main():
             tf, to = best[nm, key]
             cols.append(f"{fl / to / 1e9:6.1f} {tf / to:.3f}x ({fl / tf / 1e9:5.1f})".rjust(20))
         print(f"{args.dtype:5} {d:>4} {causal:>6} {n:>6} {mode:>4} " + " ".join(cols), flush=True)
+    if args.out:
+        import torch
+
+        common = {"dtype": args.dtype, "device": torch.cuda.get_device_name(), "date": str(datetime.date.today())}
+        with open(args.out, "a") as f:
+            for (nm, key), (tf, to) in sorted(best.items()):
+                d, causal, n, mode = key.split(",")
+                d, n = int(d), int(n)
+                fl = 4 * (16384 // n) * (2048 // d) * n * n * d / (2 if causal == "True" else 1) * MODE_FLOPS[mode]
+                shape = {"mode": mode, "hdim": d, "causal": causal == "True", "seqlen": n, "batch": 16384 // n,
+                         "nheads": 2048 // d}
+                for impl, ms in ((f"fa2:{nm}", to), (f"sdpa_flash:{nm}-process", tf)):
+                    f.write(json.dumps({"impl": impl, **shape, **common, "ms": ms, "tflops": fl / ms / 1e9}) + "\n")
     sys.exit(0 if ok else 1)
 
 
