@@ -1,19 +1,28 @@
-"""Host (CPU) time per call of each layer of fa2's Python stack, on a shape small enough that the GPU is
-never the bottleneck: wall time per call of back-to-back calls, then a cProfile of attention fwd+bwd.
+"""Host (CPU) time per eager call, fa2 side by side with SDPA-flash (torch's FlashAttention-2 backend), at shapes
+where the GPU is never the bottleneck: wall time per call of back-to-back calls (the GPU keeps up, so this is the
+host's time), forward alone (no grad), backward alone (autograd.grad on a kept graph) and forward+backward through
+autograd. Then the time per call of each layer of fa2's own stack, and a cProfile of its forward+backward.
 
-    python bench/host_overhead.py
+    python bench/host_overhead.py [--out results.jsonl]
 
-Layers: _C.fwd with prepared arguments (pybind11 + the launch), fa2.fwd (checks, allocation), the fa2::fwd
-custom op, fa2.attention, and the same for the backward.
+Each side takes its native layout: fa2 (batch, seqlen, nheads, head_dim), SDPA (batch, nheads, seqlen, head_dim).
 """
+import argparse
+import contextlib
 import cProfile
+import datetime
+import json
 import pstats
 import time
 
 import torch
+import torch.nn.functional as F
 
 import fa2
 from fa2 import interface
+
+SHAPES = [  # (batch, seqlen, nheads, head_dim, causal): small training / inference calls where host time dominates
+    (1, 512, 8, 64, True), (1, 1024, 32, 128, True), (4, 256, 12, 64, True)]
 
 
 def per_call_us(fn, n=300):
@@ -27,9 +36,41 @@ def per_call_us(fn, n=300):
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def main():
-    q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+@contextlib.contextmanager
+def flash_only():
+    """SDPA restricted to its FLASH backend through the global flags (sdpa_kernel() would add its own host time)."""
+    flags = ("cudnn_sdp", "mem_efficient_sdp", "math_sdp")
+    before = [getattr(torch.backends.cuda, f"{f}_enabled")() for f in flags]
+    for f in flags:
+        getattr(torch.backends.cuda, f"enable_{f}")(False)
+    try:
+        yield
+    finally:
+        for f, on in zip(flags, before):
+            getattr(torch.backends.cuda, f"enable_{f}")(on)
+
+
+def side_by_side(b, s, h, d, causal):
+    """{(impl, mode): us per call} for one shape."""
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    qt, kt, vt = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout, doutt = torch.randn_like(q), torch.randn_like(qt)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+    fa = lambda q, k, v: fa2.attention(q, k, v, causal=causal)  # noqa: E731
+    times = {}
+    with flash_only():
+        for impl, attend, inputs, grad_out in (("fa2", fa, (q, k, v), dout), ("sdpa_flash", sdpa, (qt, kt, vt), doutt)):
+            detached = [t.detach() for t in inputs]
+            kept = attend(*inputs)
+            times[impl, "fwd"] = per_call_us(lambda: attend(*detached))
+            times[impl, "bwd"] = per_call_us(lambda: torch.autograd.grad(kept, inputs, grad_out, retain_graph=True))
+            times[impl, "fwdbwd"] = per_call_us(lambda: torch.autograd.grad(attend(*inputs), inputs, grad_out))
+    return times
+
+
+def layers():
+    """Time per call of each layer of fa2's stack, on the smallest shape."""
+    q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     out, lse = fa2.fwd(q, k, v, causal=True)
     dout = torch.randn_like(out)
     calls = []
@@ -37,13 +78,12 @@ def main():
     interface._C = type("Spy", (), {"fwd": lambda self, **kw: calls.append(kw) or real.fwd(**kw)})()
     fa2.fwd(q, k, v, causal=True)
     interface._C = real
-    prepared = calls[0]
 
     def fwdbwd():
         torch.autograd.grad(fa2.attention(q, k, v, causal=True), (q, k, v), dout)
 
     rows = [
-        ("_C.fwd (prepared arguments)", lambda: real.fwd(**prepared)),
+        ("_C.fwd (prepared arguments)", lambda: real.fwd(**calls[0])),
         ("fa2.fwd", lambda: fa2.fwd(q, k, v, causal=True)),
         ("torch.ops.fa2.fwd", lambda: torch.ops.fa2.fwd(q, k, v, None, True, False)),
         ("fa2.attention (no grad)", lambda: fa2.attention(q.detach(), k.detach(), v.detach(), causal=True)),
@@ -51,7 +91,7 @@ def main():
         ("torch.ops.fa2.bwd", lambda: torch.ops.fa2.bwd(dout, q, k, v, out, lse, None, True, False)),
         ("fa2.attention fwd+bwd (autograd)", fwdbwd),
     ]
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; host us per call, q {tuple(q.shape)}")
+    print(f"\n# fa2's layers, host us per call, q {tuple(q.shape)}")
     for name, fn in rows:
         print(f"  {per_call_us(fn):8.1f}  {name}")
     prof = cProfile.Profile()
@@ -62,6 +102,31 @@ def main():
     torch.cuda.synchronize()
     print("\n# cProfile, 200 x attention fwd+bwd, by own time")
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="append one JSON object per measurement")
+    args = ap.parse_args()
+    device = torch.cuda.get_device_name()
+    print(f"# {device}, torch {torch.__version__}; host us per eager call (bf16), fa2 / sdpa_flash")
+    print(f"{'shape':>28} {'mode':>7} {'fa2':>9} {'sdpa_flash':>11} {'ratio':>6}")
+    rows = []
+    for b, s, h, d, causal in SHAPES:
+        times = side_by_side(b, s, h, d, causal)
+        for mode in ("fwd", "bwd", "fwdbwd"):
+            ours, theirs = times["fa2", mode], times["sdpa_flash", mode]
+            print(f"{f'b{b} s{s} h{h} d{d} causal={causal}':>28} {mode:>7} {ours:9.1f} {theirs:11.1f} "
+                  f"{ours / theirs:6.2f}")
+            for impl in ("fa2", "sdpa_flash"):
+                rows.append({"impl": impl, "mode": f"host_{mode}", "dtype": "bf16", "hdim": d, "causal": causal,
+                             "seqlen": s, "batch": b, "nheads": h, "ms": times[impl, mode] / 1e3, "tflops": None,
+                             "us_per_call": times[impl, mode],
+                             "device": device, "date": str(datetime.date.today())})
+    if args.out:
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    layers()
 
 
 if __name__ == "__main__":
