@@ -449,7 +449,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   typename Traits::TiledMmadKV mma_dkv;
   auto thr_dkv = mma_dkv.get_thread_slice(tid);
   auto copy_a_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomT{}, mma_dkv);
-  auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomdKVB{}, mma_dkv);
+  auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dkv);
   auto thr_a_dkv = copy_a_dkv.get_thread_slice(tid);
   auto thr_b_dkv = copy_b_dkv.get_thread_slice(tid);
   Tensor tdKVrA = thr_dkv.partition_fragment_A(fragment_shape<Element, kBlockN, kBlockM>());

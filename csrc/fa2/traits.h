@@ -133,20 +133,14 @@ struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
 
   using Mma2x4 = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>;
   using Mma4x2 = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
-  // 2 x 4 warps of 16 x 8 per MMA step: the dK/dV GEMM of 32-key blocks where head_dim is not a multiple of 64.
-  // A warp's B operand is then 8 columns wide, one ldmatrix .x2 (SmemCopyAtomdKVB).
-  using Mma2x4n8 = TiledMMA<MMA_Atom<MmaAtom>, Layout<Shape<_2, _4, _1>>, Tile<_32, _32, _16>>;
   // S and dP are computed 64 rows at a time (a 128-row block takes two passes): a 64 x 128 accumulator is
   // what fits in registers beside dK and dV. A 32-key block spreads its 64 x 32 tile over 4 x 2 warps.
   static constexpr int kBlockMSdP = 64;
   static_assert(kBlockM_ % kBlockMSdP == 0);
   using TiledMmaSdP = std::conditional_t<kBlockN_ == 32, Mma4x2, Mma2x4>;
   // With 64- or 32-key blocks, 4 x 2 would give each warp a 16 x head_dim slab that re-reads all of dO^T / Q^T
-  // (or, at 32 keys, not tile at all).
-  using TiledMmadKV = std::conditional_t<kBlockN_ <= 64 && kHeadDim % 64 == 0, Mma2x4,
-                                         std::conditional_t<kBlockN_ == 32, Mma2x4n8, Mma4x2>>;
-  using SmemCopyAtomdKVB = std::conditional_t<std::is_same_v<TiledMmadKV, Mma2x4n8>,
-                                              Copy_Atom<SM75_U16x4_LDSM_T, Element>, typename Base::SmemCopyAtomT>;
+  // (at 32 keys it would not tile at all; such blocks need head_dim % 64 == 0, which whole copy passes imply).
+  using TiledMmadKV = std::conditional_t<kBlockN_ <= 64 && kHeadDim % 64 == 0, Mma2x4, Mma4x2>;
   // 32-row warp slabs read 16 KB of dS/K per warp and tile, 16-row slabs 20 KB (shared memory bandwidth);
   // a 128 x 64 block on 4 x 2 warps reads 16 KB per warp for twice the rows.
   // Blocks of 8192 dQ elements (d64 x 128 rows, d128 x 64 rows) with 128-key blocks: the 8 warps' dQ slabs are
