@@ -26,16 +26,13 @@ from bench import MODE_FLOPS  # noqa: E402  (bench/bench.py: FA2's FLOP multipli
 
 
 def worker(args):
-    sys.path.insert(0, args.worker)
     import torch
     import torch.nn.functional as F
     import triton.testing as tt
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import _C
     import kernel_check as kc
-    kc.C = _C  # this build's module, even where an installed fa2 is importable
-    assert os.path.dirname(os.path.abspath(_C.__file__)) == os.path.abspath(args.worker), _C.__file__
+    kc.C = kc.load(args.worker)  # this build's module, even where an installed fa2 is importable
     # A forward-only A/B may use forward-only builds (FA2_KINDS=fwd).
     have = set(kc.C.build_info()["fwd_head_dims" if args.modes == "fwd" else "bwd_head_dims"])
     hdims = [d for d in map(int, args.hdims.split(",")) if d in have]

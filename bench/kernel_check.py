@@ -1,4 +1,4 @@
-"""Kernel iteration loop for the GPU box: call fa2._C directly (no Python layer), check fwd and bwd against
+"""Kernel iteration loop for the GPU box: call fa2's low-level fwd/bwd, check fwd and bwd against
 an fp64 reference with FlashAttention's rule, then time fwd/bwd side by side with SDPA's FLASH backend.
 
     python bench/kernel_check.py [--quick] [--hdims 64,128] [--dtypes bf16]
@@ -6,72 +6,53 @@ an fp64 reference with FlashAttention's rule, then time fwd/bwd side by side wit
 Prints one line per check and a small timing table; exits non-zero on any failed check.
 """
 import argparse
+import os
+import shutil
 import sys
+import tempfile
 
 import torch
 import torch.nn.functional as F
 
-try:
-    import fa2._C as C
-except ImportError:  # a standalone CMake build dir on PYTHONPATH
-    try:
-        import _C as C
-    except ImportError:
-        C = None  # bench/ab.py sets it to each build's module in turn
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+def load(build_dir=None):
+    """fa2, with the _C module of a standalone CMake build dir if given (bench/ab.py: one build per process): the
+    package's Python files from this checkout next to that build's module, in a temporary folder."""
+    if build_dir is not None:
+        pkg = os.path.join(tempfile.mkdtemp(prefix="fa2-build-"), "fa2")
+        shutil.copytree(os.path.join(REPO, "python", "fa2"), pkg, ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+        for name in os.listdir(build_dir):
+            if name.startswith("_C") and name.endswith(".so"):
+                os.symlink(os.path.abspath(os.path.join(build_dir, name)), os.path.join(pkg, name))
+        sys.path.insert(0, os.path.dirname(pkg))
+    import fa2
+    if build_dir is not None:
+        assert fa2.ops._C.__file__.startswith(os.path.dirname(os.path.dirname(pkg))), fa2.ops._C.__file__
+    return fa2
+
+
+C = None  # fa2 (load()); bench/ab.py and friends load a build dir's first
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def strides(t):
-    return (t.stride(0), t.stride(1), t.stride(2))
-
-
 def call_fwd(q, k, v, causal, scale, into=None):
-    """into=(out, lse) reuses those buffers (timing loops); otherwise fresh ones, poisoned with NaN."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    if into is None:
-        out = torch.full_like(q, float("nan"))
-        lse = torch.full((b, h, sq), float("nan"), device=q.device, dtype=torch.float32)
-    else:
-        out, lse = into
-    C.fwd(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr(),
-          q_stride=strides(q), k_stride=strides(k), v_stride=strides(v), out_stride=strides(out),
-          batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_k=hk, head_dim=d, softmax_scale=scale,
-          causal=causal, dtype="bf16" if q.dtype == torch.bfloat16 else "fp16", device=q.device.index,
-          stream=torch.cuda.current_stream().cuda_stream)
-    return out, lse
+    """into=(out, lse) reuses out (timing loops); otherwise a fresh one, poisoned with NaN."""
+    out = torch.full_like(q, float("nan")) if into is None else into[0]
+    return C.fwd(q, k, v, softmax_scale=scale, causal=causal, out=out)
 
 
 def bwd_buffers(q, k):
-    """dq, dk, dv (poisoned with NaN), dq_accum and d_sum for call_bwd."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    grouped = hk != h  # GQA/MQA: fp32 per-query-head slices, summed over the group, rounded once
-    dk = torch.full((b, sk, h, d), float("nan"), device=q.device, dtype=torch.float32 if grouped else q.dtype)
-    return (torch.full_like(q, float("nan")), dk, torch.full_like(dk, float("nan")),
-            torch.empty((b, h, sq, d), device=q.device, dtype=torch.float32),
-            torch.empty((b, h, sq), device=q.device, dtype=torch.float32))
+    """dq, dk, dv (poisoned with NaN) for call_bwd."""
+    return torch.full_like(q, float("nan")), torch.full_like(k, float("nan")), torch.full_like(k, float("nan"))
 
 
 def call_bwd(dout, q, k, v, out, lse, causal, scale, deterministic=False, into=None):
     """into=bwd_buffers(q, k) reuses those buffers (timing loops); otherwise fresh ones."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    grouped = hk != h
-    dq, dk, dv, dq_accum, d_sum = bwd_buffers(q, k) if into is None else into
-    C.bwd(dout=dout.data_ptr(), q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(),
-          lse=lse.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(), dq_accum=dq_accum.data_ptr(),
-          d_sum=d_sum.data_ptr(), dout_stride=strides(dout), q_stride=strides(q), k_stride=strides(k),
-          v_stride=strides(v), out_stride=strides(out), dq_stride=strides(dq), dk_stride=strides(dk),
-          dv_stride=strides(dv), batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_k=hk, head_dim=d,
-          softmax_scale=scale, causal=causal, deterministic=deterministic,
-          dtype="bf16" if q.dtype == torch.bfloat16 else "fp16", device=q.device.index,
-          stream=torch.cuda.current_stream().cuda_stream, dkv_fp32=grouped)
-    if grouped:
-        dk = dk.view(b, sk, hk, h // hk, d).sum(3).to(q.dtype)
-        dv = dv.view(b, sk, hk, h // hk, d).sum(3).to(q.dtype)
-    return dq, dk, dv
+    dq, dk, dv = bwd_buffers(q, k) if into is None else into
+    return C.bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal, deterministic=deterministic, dq=dq, dk=dk,
+                 dv=dv)
 
 
 def ref_attention(q, k, v, causal, scale, dtype):
@@ -192,6 +173,8 @@ def main():
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--timing-hdims", default="64,128")
     args = ap.parse_args()
+    global C
+    C = load()
     info = C.build_info()
     print(torch.cuda.get_device_name(), info)
     hdims = [int(x) for x in args.hdims.split(",")] if args.hdims else info["fwd_head_dims"]

@@ -30,12 +30,8 @@ def main():
                     help="fwd: run the forwards only (filter: regex:fwd_kernel|flash_fwd)")
     a = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    if a.build:
-        sys.path.insert(0, a.build)
-        import _C
     import kernel_check as kc
-    if a.build:
-        kc.C = _C
+    kc.C = kc.load(a.build)
     for d in map(int, a.hdims.split(",")):
         b, n, h = max(1, 16384 // a.seqlen), a.seqlen, 2048 // d
         q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))

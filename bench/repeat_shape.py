@@ -33,9 +33,7 @@ def main():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import kernel_check as kc
-    if args.build:
-        import _C
-        kc.C = _C
+    kc.C = kc.load(args.build)
     b, n, h, d = args.batch, args.seqlen, args.nheads, args.hdim
     flops = 4 * b * h * n * n * d / (2 if args.causal else 1)
     keep = []

@@ -11,7 +11,8 @@
 #       previous call left in $OUT), then the GPU test suite with FA2_REQUIRE_GPU=1 (a skip is a failure),
 #       compute-sanitizer memcheck and racecheck, then bench/bench.py --hdims 64,128 with its plot, then as time
 #       allows --hdims 96,256 and the batch-1 inference shapes (32 heads, d128, 1k-8k). VERIFY_STEPS (default
-#       "tests sanitize bench") picks the steps. A module it built is also left in $OUT (split in 15 MB parts).
+#       "tests sanitize bench") picks the steps; "host" (bench/host_overhead.py) and "train" (examples/train_gpt.py
+#       --attn all, eager and compiled) are there to be named. A module it built is also left in $OUT (split in 15 MB parts).
 # ab (or ab-bwd): A/B (bench/ab.py) of the tree as it is ("base") against a variant: the tree with the patch
 #       AB_PATCH applied and/or built with CMAKE_CUDA_FLAGS=AB_FLAGS ("variant"; AB_FLAGS2 adds "variant2").
 #       AB_HDIMS (64,128), AB_KINDS (fwd,bwd; fwd only halves the build,
@@ -73,6 +74,14 @@ print(int(not any(a // 10 == major and a <= 10 * major + minor for a in fa2.buil
     timed memcheck 150 memcheck.log compute-sanitizer --tool memcheck python3 bench/sanitize.py
     timed racecheck 150 racecheck.log compute-sanitizer --tool racecheck python3 bench/sanitize.py --quick
     tail -qn 1 "$out/memcheck.log" "$out/racecheck.log"
+  fi
+  if [[ $steps == *" host "* ]]; then  # host time per eager call, side by side with SDPA-flash
+    timed host 150 host.txt python3 bench/host_overhead.py --out "$out/host.jsonl"
+  fi
+  if [[ $steps == *" train "* ]]; then  # the example's tokens/s, eager and compiled
+    timed train-eager 200 train-eager.txt python3 examples/train_gpt.py --attn all --steps 200 --out "$out/train-eager"
+    timed train-compiled 260 train-compiled.txt python3 examples/train_gpt.py --attn all --compile --steps 200 \
+      --out "$out/train-compiled"
   fi
   if [[ $steps == *" bench "* ]]; then
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of words

@@ -35,25 +35,30 @@ def sdpa_attention(q, k, v):  # SDPA wants (batch, nheads, seqlen, head_dim)
                                           is_causal=True).transpose(1, 2)
 
 
-# sdpa lets torch pick its backend (cuDNN on an H100); sdpa_flash pins FlashAttention-2's own kernels.
-ATTENTION = {"fa2": fa2_attention, "sdpa": sdpa_attention, "sdpa_flash": sdpa_attention}
-RUNS = {"both": ["fa2", "sdpa"], "all": ["fa2", "sdpa", "sdpa_flash"]}
+# sdpa lets torch pick its backend (cuDNN on an H100); sdpa_flash pins FlashAttention-2's own kernels; sdpa_fa2 pins
+# the flash backend with fa2 activated behind it (fa2.sdpa): unchanged model code running fa2's kernels.
+ATTENTION = {"fa2": fa2_attention, "sdpa": sdpa_attention, "sdpa_flash": sdpa_attention, "sdpa_fa2": sdpa_attention}
+RUNS = {"both": ["fa2", "sdpa"], "all": ["fa2", "sdpa", "sdpa_flash", "sdpa_fa2"]}
 
 
 @contextlib.contextmanager
 def sdpa_backends(attention: str):
-    """For sdpa_flash, SDPA's other backends are switched off while the model is built, compiled and trained:
-    set globally rather than with sdpa_kernel() inside the model, so torch.compile traces the same choice."""
-    if attention != "sdpa_flash":
+    """For sdpa_flash and sdpa_fa2, SDPA's other backends are switched off while the model is built, compiled and
+    trained: set globally rather than with sdpa_kernel() inside the model, so torch.compile traces the same choice.
+    For sdpa_fa2, fa2 is activated behind the flash backend meanwhile."""
+    if attention not in ("sdpa_flash", "sdpa_fa2"):
         yield
         return
     flags = ("cudnn_sdp", "mem_efficient_sdp", "math_sdp")
     before = [getattr(torch.backends.cuda, f"{f}_enabled")() for f in flags]
     for f in flags:
         getattr(torch.backends.cuda, f"enable_{f}")(False)
+    if attention == "sdpa_fa2":
+        fa2.sdpa.activate()
     try:
         yield
     finally:
+        fa2.sdpa.restore()
         for f, on in zip(flags, before):
             getattr(torch.backends.cuda, f"enable_{f}")(on)
 
@@ -193,7 +198,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--attn", choices=[*ATTENTION, *RUNS], default="both",
-                   help="both: fa2 and sdpa; all: fa2, sdpa and sdpa_flash")
+                   help="both: fa2 and sdpa; all: fa2, sdpa, sdpa_flash and sdpa_fa2")
     p.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup-steps", type=int, default=20, help="first steps left out of tokens/s (compilation)")

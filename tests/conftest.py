@@ -1,6 +1,5 @@
 """Test setup: the `gpu` marker (skipped, with the reason, where there is no GPU or no built extension), a
 fresh, reproducible seed per test, and a stand-in for the kernels that lets CPU tests run fwd/bwd."""
-import contextlib
 import os
 import zlib
 
@@ -77,34 +76,30 @@ def require_kernel():
     return require
 
 
-class _RecordingExtension:
-    """Stands in for fa2._C: records the keyword arguments of each kernel call instead of launching."""
+class _Recording:
+    """The launches fa2._C recorded instead of making them, as (kind, parameters) pairs; `calls` collects them."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, ext):
+        self._ext, self._calls = ext, []
 
-    def fwd(self, **kwargs):
-        self.calls.append(("fwd", kwargs))
-
-    def bwd(self, **kwargs):
-        self.calls.append(("bwd", kwargs))
+    @property
+    def calls(self):
+        self._calls += [(launch.pop("kind"), launch) for launch in self._ext.take_recorded_launches()]
+        return self._calls
 
 
 @pytest.fixture
-def recording(monkeypatch):
-    """Run fwd/bwd (and the varlen pair) on CPU tensors past the device checks, with the kernels replaced by
-    a recorder. Outputs are left unwritten (torch.empty)."""
-    import fa2
+def recording():
+    """Run fwd/bwd (and the varlen pair) on CPU tensors through fa2._C's checks and allocation, with each launch's
+    parameters recorded instead of launched (csrc/CONTRACT.md: set_test_overrides(record=True)). Outputs are left
+    unwritten (torch.empty)."""
+    from fa2 import ops
 
-    ext = _RecordingExtension()
-    monkeypatch.setattr(fa2.interface, "_C", ext)
-    for module in (fa2.interface, fa2.varlen):  # varlen.py imports the check by name
-        monkeypatch.setattr(module, "_check_device_and_build", lambda *args, **kwargs: None)
-    # fa2's own name for the device guard, not torch.cuda.device: torch.compile captures torch's attributes when it
-    # first initialises, and a patched torch.cuda.device seen then broke later compiled tests on GPU machines.
-    monkeypatch.setattr(fa2.interface, "_device_guard", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(fa2.interface, "_current_stream", lambda device_index: 1234)
-    return ext
+    if ops._C is None:
+        pytest.skip("fa2._C is not built")
+    ops._C.set_test_overrides(record=True)
+    yield _Recording(ops._C)
+    ops._C.set_test_overrides()
 
 
 @pytest.fixture
@@ -112,8 +107,9 @@ def launch_overrides():
     """launch_overrides(smem_limit=101376) makes every later kernel launch act as if a block could use only that
     much shared memory (another GPU's configurations); launch_overrides(head_group=2) forces the causal grids'
     head groups. The test-only entry point of csrc/CONTRACT.md; reset when the test ends, or by launch_overrides()."""
-    from fa2 import interface
+    from fa2 import ops
 
-    ext = interface._ext()
-    yield ext.set_test_overrides
-    ext.set_test_overrides()
+    if ops._C is None:
+        raise ops.not_built()
+    yield ops._C.set_test_overrides
+    ops._C.set_test_overrides()

