@@ -429,44 +429,46 @@ struct NvtxRange {
   ~NvtxRange() { if (on) nvtxRangePop(); }
 };
 
-bool record(const char* kind, const BwdParams& p, DType dtype) {
-  if (!g_overrides.record.load(std::memory_order_relaxed)) return false;
-  std::lock_guard<std::mutex> lock(g_recorded_mutex);
-  g_recorded.push_back({kind, p, dtype_name(dtype)});
-  return true;
+// In record mode (CPU tests) the launch is recorded before the device checks, so CPU tensors go through.
+bool recording() { return g_overrides.record.load(std::memory_order_relaxed); }
+
+// The stream to launch on after the GPU checks; nothing in record mode, where the parameters are kept instead.
+template <class Params>
+std::optional<cudaStream_t> launch_stream(const char* kind, const Params& p, DType dtype, int device) {
+  if (recording()) {
+    BwdParams kept;
+    static_cast<Params&>(kept) = p;
+    std::lock_guard<std::mutex> lock(g_recorded_mutex);
+    g_recorded.push_back({kind, kept, dtype_name(dtype)});
+    return std::nullopt;
+  }
+  check_gpu(device);
+  return current_stream(device);
 }
 
-void launch_fwd(const FwdParams& p, DType dtype, int device) {
-  const int kernel_dim = pick_head_dim(kFwdInstances, p.head_dim, dtype, "fwd");
-  BwdParams as_recorded;
-  static_cast<FwdParams&>(as_recorded) = p;
-  if (record("fwd", as_recorded, dtype)) return;
-  check_gpu(device);
-  const cudaStream_t stream = current_stream(device);
+// kernel_dim: pick_head_dim's choice, made before anything was allocated.
+void launch_fwd(const FwdParams& p, DType dtype, int kernel_dim, int device) {
+  const std::optional<cudaStream_t> stream = launch_stream("fwd", p, dtype, device);
+  if (!stream) return;
   NvtxRange range("fa2.fwd");
 #define FA2_DISPATCH(D, T) \
-  if (kernel_dim == D && dtype == DType::T) return run_fwd<D, DType::T>(p, stream);
+  if (kernel_dim == D && dtype == DType::T) return run_fwd<D, DType::T>(p, *stream);
   FA2_FOR_EACH_FWD(FA2_DISPATCH)
 #undef FA2_DISPATCH
   throw std::logic_error("fa2: forward dispatch fell through");
 }
 
-void launch_bwd(const BwdParams& p, DType dtype, int device) {
-  const int kernel_dim = pick_head_dim(kBwdInstances, p.head_dim, dtype, "bwd");
-  if (record("bwd", p, dtype)) return;
-  check_gpu(device);
-  const cudaStream_t stream = current_stream(device);
+void launch_bwd(const BwdParams& p, DType dtype, int kernel_dim, int device) {
+  const std::optional<cudaStream_t> stream = launch_stream("bwd", p, dtype, device);
+  if (!stream) return;
   NvtxRange range("fa2.bwd");
 #define FA2_DISPATCH(D, T) \
-  if (kernel_dim == D && dtype == DType::T) return run_bwd<D, DType::T>(p, stream);
+  if (kernel_dim == D && dtype == DType::T) return run_bwd<D, DType::T>(p, *stream);
   FA2_FOR_EACH_BWD(FA2_DISPATCH)
 #undef FA2_DISPATCH
-  (void)stream;
   throw std::logic_error("fa2: backward dispatch fell through");
 }
 
-// In record mode (CPU tests) the launch is recorded before the device checks, so CPU tensors go through.
-bool recording() { return g_overrides.record.load(std::memory_order_relaxed); }
 
 // ------------------------------------------------------------------------------------------- the forward
 // Padded when cu_q is null. Writes into `out` when given. Returns (out, lse).
@@ -482,7 +484,7 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
                    {"cu_seqlens_q", cu_q}, {"cu_seqlens_k", cu_k}});
   }
   const DType dtype = to_dtype(q.scalar_type());
-  pick_head_dim(kFwdInstances, int(q.size(-1)), dtype, "fwd");  // a missing kernel is an error before any allocation
+  const int kernel_dim = pick_head_dim(kFwdInstances, int(q.size(-1)), dtype, "fwd");  // before any allocation
   std::optional<torch::stable::accelerator::DeviceGuard> guard;
   if (q.is_cuda()) guard.emplace(q.get_device_index());
   Tensor out = out_buffer ? *out_buffer : new_like(q);
@@ -497,7 +499,7 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
   }
   FwdParams p;
   fill_common(p, q, k, v, out, lse, s, softmax_scale, causal, cu_q, cu_k);
-  launch_fwd(p, dtype, q.get_device_index());
+  launch_fwd(p, dtype, kernel_dim, q.get_device_index());
   return {out, lse};
 }
 
@@ -522,7 +524,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
                    {"dv", dv_buffer ? &*dv_buffer : nullptr}, {"cu_seqlens_q", cu_q}, {"cu_seqlens_k", cu_k}});
   }
   const DType dtype = to_dtype(q.scalar_type());
-  pick_head_dim(kBwdInstances, int(q.size(-1)), dtype, "bwd");
+  const int kernel_dim = pick_head_dim(kBwdInstances, int(q.size(-1)), dtype, "bwd");
   std::optional<torch::stable::accelerator::DeviceGuard> guard;
   if (q.is_cuda()) guard.emplace(q.get_device_index());
   // Gradients often arrive transposed or broadcast: copied where the kernels could not load them.
@@ -558,7 +560,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
   p.dk_stride = strides_of(dk_heads), p.dv_stride = strides_of(dv_heads);
   p.deterministic = deterministic;
   p.dkv_fp32 = grouped;
-  launch_bwd(p, dtype, q.get_device_index());
+  launch_bwd(p, dtype, kernel_dim, q.get_device_index());
   if (grouped) {
     const int64_t group = nheads / nheads_k;
     for (auto [grad, heads] : {std::pair<Tensor*, Tensor*>{&dk, &dk_heads}, {&dv, &dv_heads}}) {

@@ -89,16 +89,22 @@ _TYPE_ERROR = "TypeError: "  # csrc/host/ops.cpp's mark for a TypeError (C++ exc
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
+def _typed(e: ValueError) -> Exception:
+    """C++'s error as Python should see it: a TypeError where its message carries the mark."""
+    message = str(e)
+    return TypeError(message[len(_TYPE_ERROR):]) if message.startswith(_TYPE_ERROR) else e
+
+
 def call(op, *args):
     """op(*args) below the autograd key (eager: the caller does autograd), with C++'s TypeErrors as TypeError."""
     try:
         with _below_autograd():
             return op(*args)
     except ValueError as e:
-        message = str(e)
-        if message.startswith(_TYPE_ERROR):
-            raise TypeError(message[len(_TYPE_ERROR):]) from None
-        raise
+        error = _typed(e)
+        if error is e:
+            raise
+        raise error from None
 
 
 def check_tensors(**tensors) -> None:
@@ -184,9 +190,10 @@ def _attend(op, q, k, v, *args) -> Tensor:
     try:
         return op(q, k, v, *args)[0]
     except ValueError as e:
-        if str(e).startswith(_TYPE_ERROR):
-            raise TypeError(str(e)[len(_TYPE_ERROR):]) from None
-        raise
+        error = _typed(e)
+        if error is e:
+            raise
+        raise error from None
 
 
 # ----------------------------------------------------------------------------------------------- public
