@@ -11,7 +11,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and the compiled fa2._C (skipped otherwise)")
 
 
-# FA2_REQUIRE_GPU=1 (the GPU landing run, bench/landing.sh): a GPU test that would skip fails instead, and so does
+# FA2_REQUIRE_GPU=1 (the GPU landing run, bench/verify.sh): a GPU test that would skip fails instead, and so does
 # any other skip. Where a missing extension, kernel or GPU would otherwise read as "skipped", it is a failure.
 REQUIRE_GPU = os.environ.get("FA2_REQUIRE_GPU", "") == "1"
 

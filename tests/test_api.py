@@ -1,5 +1,7 @@
 """The public API without a GPU: import, build_info, and a clear error for every kind of bad input.
 Shapes, dtypes and strides are checked before the device, so CPU tensors reach every message."""
+import ast
+import glob
 import os
 import re
 import subprocess
@@ -28,8 +30,45 @@ def _is_built():
 
 def test_public_api_is_exactly_this():
     assert sorted(fa2.__all__) == ["__version__", "attention", "attention_varlen", "build_info", "bwd", "bwd_varlen",
-                                   "flash_attn_func", "flash_attn_varlen_func", "fwd", "fwd_varlen", "reference", "sdpa"]
+                                   "flash_attn_func", "flash_attn_varlen_func", "fwd", "fwd_varlen", "hf", "reference",
+                                   "sdpa"]
     assert callable(fa2.reference.attention_ref) and isinstance(fa2.__version__, str)
+
+
+def _package_modules():
+    root = os.path.dirname(fa2.__file__)
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        yield os.path.relpath(path, root), ast.parse(open(path).read())
+
+
+def test_modules_use_each_others_public_names_only():
+    """No fa2 module reaches into another's private names (`ops._C`, `from fa2.x import _y`)."""
+    modules = {name.split(".")[0] for name, _ in _package_modules()} | {"integrations", "fa2"}
+    found = []
+    for path, tree in _package_modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and isinstance(node.value, ast.Name) and node.value.id in modules:
+                found.append(f"{path}:{node.lineno} {node.value.id}.{node.attr}")
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fa2"):
+                found += [f"{path}:{node.lineno} from {node.module} import {a.name}" for a in node.names
+                          if a.name.startswith("_") and a.name != "_C"]
+    assert not found, found
+
+
+def test_integrations_import_the_core_not_the_package_root():
+    """fa2/__init__ imports the integrations, so an integration that imported the root would be a cycle."""
+    found = []
+    for path, tree in _package_modules():
+        if not path.startswith("integrations"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found += [f"{path}:{node.lineno} import {a.name}" for a in node.names if a.name == "fa2"]
+            if isinstance(node, ast.ImportFrom) and node.module == "fa2":
+                found += [f"{path}:{node.lineno} from fa2 import {a.name}" for a in node.names
+                          if a.name not in ("ops", "interface", "reference")]
+    assert not found, found
 
 
 def test_import_without_extension_fails_only_when_a_kernel_is_needed():

@@ -1,4 +1,4 @@
-"""fa2.flash_attn_compat against flash-attn 2.x: the same signatures, a NotImplementedError naming every option
+"""fa2.integrations.flash_attn against flash-attn 2.x: the same signatures, a NotImplementedError naming every option
 fa2 lacks (raised before any other check), the arguments reaching fa2 (CPU); the numbers against the fp64
 reference with FlashAttention's tolerance rule, forward and gradients, padded and varlen (GPU)."""
 import inspect
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import fa2
-from fa2.flash_attn_compat import flash_attn_func, flash_attn_varlen_func
+from fa2.integrations import flash_attn
+from fa2.integrations.flash_attn import flash_attn_func, flash_attn_varlen_func
 from fa2.reference import attention_ref
 from tolerance import assert_close_to_ref
 
@@ -65,8 +66,8 @@ def test_unsupported_option_raises_naming_it(func, args, option, value):
 
 def test_arguments_reach_fa2_in_flash_attns_order(monkeypatch):
     calls = []
-    monkeypatch.setattr(fa2, "attention", lambda *a, **kw: calls.append((a, kw)) or "out")
-    monkeypatch.setattr(fa2, "attention_varlen", lambda *a, **kw: calls.append((a, kw)) or "out", raising=False)
+    monkeypatch.setattr(flash_attn, "attention", lambda *a, **kw: calls.append((a, kw)) or "out")
+    monkeypatch.setattr(flash_attn, "attention_varlen", lambda *a, **kw: calls.append((a, kw)) or "out")
     q, k, v = _padded_args()
     # Positionally: dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic.
     assert flash_attn_func(q, k, v, 0.0, 0.25, True, [-1, -1], 0, None, True) == "out"

@@ -155,7 +155,7 @@ def test_consumer_gpu_configurations_fit_99kb_and_match_reference(d, dtype, caus
 @pytest.mark.parametrize("d,smem", [(64, 160 * 1024), (128, 160 * 1024)], ids=["d64", "d128"])
 def test_backward_shared_memory_follows_the_code_that_runs(d, smem, require_kernel, tmp_path):
     """The d64 and d128 backward give each warp its own 32 KB of dQ staging in sm90 device code only (csrc/fa2/
-    bwd_kernel.h: dq_path). The launch must ask for those bytes exactly where that code runs: in an sm90 build on an
+    dq_accum.h: dq_path). The launch must ask for those bytes exactly where that code runs: in an sm90 build on an
     H100, not in an sm80-only build on the same GPU (PTX JIT), whatever the GPU's compute capability."""
     require_kernel("bwd", d, torch.bfloat16)
     q, k, v = (torch.randn(1, 512, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -115,8 +115,8 @@ def test_running_max_moves_between_key_blocks(d, rise, dtype, causal, require_ke
 
 def test_softmax_scale_below_float_range_is_refused(require_kernel):
     """1e-46 is a positive Python float but 0 as the kernels' float, where masked (-inf) scores times 0 would
-    be NaN: refused with the argument's name (by the Python layer; bindings.cpp checks it again for direct
-    fa2._C callers), not computed. 1e-30, a normal float, still works."""
+    be NaN: refused with the argument's name by the C++ op (csrc/host/ops.cpp) before any launch, not computed.
+    1e-30, a normal float, still works."""
     require_kernel("fwd", 64, torch.bfloat16)
     q, k, v = randn(1, 300, 2, 64), randn(1, 300, 2, 64), randn(1, 300, 2, 64)
     with pytest.raises(ValueError, match="softmax_scale"):

@@ -15,7 +15,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import fa2  # noqa: E402
-import fa2.hf  # noqa: E402
 from fa2.reference import attention_ref  # noqa: E402
 
 gpu = pytest.mark.gpu
@@ -45,7 +44,7 @@ def models(config, impls, device="cpu", dtype=torch.float32):
 def calls(monkeypatch):
     """Records which fa2 entry point ran; on a CPU the kernels are replaced by the fp64 reference."""
     record = []
-    real = {name: getattr(fa2, name, None) for name in ("attention", "attention_varlen")}
+    real = {name: getattr(fa2.hf, name) for name in ("attention", "attention_varlen")}
 
     def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=False):
         record.append("attention")
@@ -64,8 +63,8 @@ def calls(monkeypatch):
         return torch.cat([attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal,
                                         softmax_scale=softmax_scale)[0][0] for q0, q1, k0, k1 in bounds])
 
-    monkeypatch.setattr(fa2, "attention", attention)
-    monkeypatch.setattr(fa2, "attention_varlen", attention_varlen, raising=False)
+    monkeypatch.setattr(fa2.hf, "attention", attention)
+    monkeypatch.setattr(fa2.hf, "attention_varlen", attention_varlen)
     return record
 
 
@@ -80,7 +79,7 @@ def test_register_makes_fa2_an_attention_and_a_mask_implementation():
 
 
 def test_importing_fa2_does_not_import_transformers():
-    code = "import sys, fa2, fa2.hf; print('transformers' in sys.modules)"
+    code = "import sys, fa2, fa2.integrations.hf; print('transformers' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert result.stdout.strip() == "False", result.stdout + result.stderr

@@ -29,12 +29,12 @@ def fa2_active():
 @contextlib.contextmanager
 def recorded(launches):
     """fa2's launches recorded (not made) inside the block; appended to `launches` as kinds."""
-    fa2.ops._C.set_test_overrides(record=True)
+    fa2._C.set_test_overrides(record=True)
     try:
         yield
     finally:
-        launches += [launch["kind"] for launch in fa2.ops._C.take_recorded_launches()]
-        fa2.ops._C.set_test_overrides()
+        launches += [launch["kind"] for launch in fa2._C.take_recorded_launches()]
+        fa2._C.set_test_overrides()
 
 
 def bhsd(b=2, h=4, hk=4, sq=100, sk=100, d=64, requires_grad=True, dtype=BF16):

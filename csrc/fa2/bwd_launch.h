@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "fa2/bwd_kernel.h"
+#include "fa2/bwd_row_kernels.h"
 #include "fa2/config.h"
 #include "fa2/launch.h"
 #include "fa2/traits.h"
@@ -38,7 +39,7 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   allow_smem<&bwd_kernel<Traits>>(smem, "bwd smem");
   const dim3 grid(ceil_div_host(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
   BwdParams main_p = p;  // 8 warps of ~250 registers: one CTA per SM
-  if (p.causal && p.head_group == 0) main_p.head_group = causal_head_group(p, grid.x, 1);
+  if (p.causal && p.head_group == 0) main_p.head_group = causal_head_group(p.nheads, device_sm_count(), grid.x);
   bwd_kernel<Traits><<<grid, Traits::kNThreads, smem, stream>>>(main_p);
   check_cuda(cudaGetLastError(), "bwd launch");
 

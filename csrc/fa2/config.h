@@ -1,7 +1,8 @@
-// The kernels' tuning, per head dim, in one place: tiles, warps, pipeline stages, and the alternative
-// configurations the launch picks at run time (fwd_launch.h, bwd_launch.h) from the sequence lengths and from
-// the shared memory a block may use. Traits (traits.h) derive layouts from these numbers; kernels never see them.
-// The measurements behind each choice are in bench/NOTES.md under the tag given.
+// The kernels' tuning, in one place: per head dim the tiles, warps and pipeline stages, the alternative
+// configurations the launch picks at run time (fwd_launch.h, bwd_launch.h) from the sequence lengths and from the
+// shared memory a block may use, and the policies for dQ accumulation, the backward's row kernels and the order of
+// causal grids. Traits (traits.h) derive layouts from the tile numbers, which kernels see only through Traits. Each
+// choice says why; the measurements behind it are in docs/tuning.md under the tag given.
 //
 // Shared memory per block, which decides what fits: A100 163 KB, H100 227 KB; sm86, sm89 and sm120 (RTX 30xx,
 // 40xx, 50xx; A10, L4, L40) 99 KB. Every head dim has a configuration that fits 99 KB, forward and backward.
@@ -9,15 +10,14 @@
 
 namespace fa2 {
 
-inline constexpr int kSmemConsumerGpu = 99 * 1024;  // the smallest opt-in limit fa2 supports (sm86/89/120)
-
 // ------------------------------------------------------------------------------------------------ forward
-// (kBlockM, kBlockN, warps, K/V stages). Each thread holds kBlockM/(16*warps)*2 rows of acc_o (head_dim/4
-// floats each) and of S (kBlockN/4 floats each); past ~255 registers the kernel spills, so wide heads get
-// narrower K/V tiles or more warps. Stages = K/V buffers each: 1 is FA2's schedule (two barriers per key block,
-// each refill behind one); 2 gives one barrier per block with block n-1's K and V loading during all of block
-// n's work, which pays where registers allow it (d64, d96) and loses to spills where they do not (d128, d256;
-// NOTES v9, v10, v11). Other head dims are unmeasured and keep 1.
+// (kBlockM, kBlockN, warps, K/V stages)                                     docs/tuning.md#forward-tiles
+// Each thread holds kBlockM/(16*warps)*2 rows of acc_o (head_dim/4 floats each) and of S (kBlockN/4 floats each);
+// past 255 registers the kernel spills, so wide heads get narrower K/V tiles or more warps.
+// Stages (docs/tuning.md#forward-stages) = K/V buffers each: 1 is FA2's schedule (two barriers per key block, each
+// refill behind one); 2 gives one barrier per block with block n-1's K and V loading during all of block n's work,
+// which pays where registers allow it (d64, d96) and loses to spills where they do not (d128, d256). Other head
+// dims are unmeasured and keep 1.
 template <int kHeadDim> struct FwdConfig;
 template <> struct FwdConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4, kStages = 1; };
 template <> struct FwdConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4, kStages = 2; };
@@ -28,13 +28,15 @@ template <> struct FwdConfig<192> { static constexpr int kBlockM = 128, kBlockN 
 template <> struct FwdConfig<224> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8, kStages = 1; };
 template <> struct FwdConfig<256> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8, kStages = 1; };
 // With two stages, unroll the key-block loop by two so each half reads a fixed buffer (immediate ldmatrix
-// offsets). It costs registers: d64 has them to spare, d96 spills (NOTES v11).
+// offsets instead of a per-block select). It costs registers: d64 has them to spare, d96 spills with it.
+//                                                                           docs/tuning.md#forward-unroll
 template <int kHeadDim> constexpr bool kFwdUnrollStages = kHeadDim == 64;
 
 // The narrow forward tile, FA2's 64 x 64 on 4 warps (two CTAs per SM), where FwdConfig's 8-warp tile does not pay
-// or does not fit:
+// or does not fit:                                                          docs/tuning.md#forward-narrow-tile
 // - short sequences at d256 (max(seqlen_q, seqlen_k) up to kMaxSeqlen, or kMaxSeqlenCausal when causal), where the
-//   8-warp tile's one CTA per SM leaves its Q load, barriers and epilogue exposed (NOTES v10, v12);
+//   8-warp tile's one CTA per SM leaves its Q load, barriers and epilogue exposed; past the thresholds the wide tile
+//   is at least as fast;
 // - any sequence where FwdConfig's tile needs more shared memory than a block may use: d224 and d256 on 99 KB
 //   GPUs (the other head dims' FwdConfig fit).
 template <int kHeadDim> struct FwdNarrowConfig {
@@ -44,15 +46,17 @@ template <int kHeadDim> struct FwdNarrowConfig {
 };
 
 // ------------------------------------------------------------------------------------------------ backward
-// (kBlockM, kBlockN, Q/dO stages) per head dim, on 8 warps. dK and dV live in registers for the whole CTA
-// (2 * kBlockN * head_dim / 256 floats per thread), so wide heads get narrower key blocks, and one Q/dO buffer
-// keeps shared memory under an A100's 163 KB. head_dim 64 takes 128 query rows per block (S/dP in two 64-row
-// passes, traits.h): the dQ GEMM's warps get 32 x 32 slabs and a block pays its barriers once per 128 rows
-// (NOTES v8).
-// kStagesBigSmem: the Q/dO stages where a block may use more than an A100 allows (H100); d256's second stage
-// needs 208 KB and pays there, as FA2 also chooses at run time (NOTES v10). Other head dims: not measured.
-// kRunningQdO (traits.h): running Q/dO source tiles instead of indexed loads, per head dim since it moves
-// registers: it pays at d128, loses at d96 and d64 and is neutral at d256 (NOTES v12); others unmeasured.
+// (kBlockM, kBlockN, Q/dO stages) per head dim, on 8 warps.                docs/tuning.md#backward-tiles
+// dK and dV live in registers for the whole CTA (2 * kBlockN * head_dim / 256 floats per thread), so wide heads get
+// narrower key blocks, and one Q/dO buffer keeps shared memory under an A100's 163 KB. head_dim 64 takes 128 query
+// rows per block (S/dP in two 64-row passes, traits.h): the dQ GEMM's warps get 32 x 32 slabs and a block pays its
+// barriers once per 128 rows; one 128-row pass does not fit in registers beside dK and dV.
+// kStagesBigSmem (docs/tuning.md#backward-big-smem-stages): the Q/dO stages where a block may use more than an A100
+// allows (H100); d256's second stage needs 208 KB and pays there, as FA2 also chooses at run time, since with one
+// stage the next Q/dO load is exposed at one CTA per SM. Other head dims: not measured.
+// kRunningQdO (docs/tuning.md#running-source-tiles): Q and dO loaded from running source tiles instead of indexed
+// per block. It moves registers, so it is per head dim: it pays at d128 (fewer spills), loses at d96 and d64 (ptxas
+// schedules their loops worse) and is neutral at d256; others unmeasured.
 template <int kHeadDim> struct BwdConfig {
   static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
@@ -62,13 +66,13 @@ template <int kHeadDim> struct BwdConfig {
 };
 
 // The backward where BwdConfig's tiles need more shared memory than a block may use: 99 KB GPUs at d64, d96,
-// d128, d192, d224 and d256 (d32 and d160 fit as they are). Each takes the largest tiles that fit, then a
-// second Q/dO stage if that fits too: 64 query rows, 128 keys at d64, 64 at d96/d128, 32 from d192. At d256
-// even 64 x 32 tiles need 104 KB, so P and dS move into the bytes of V (kPdSInV, traits.h), which then reloads
-// with every query block. d224 runs that d256 kernel (kKernelHeadDim; the last 32 columns are masked, as for any
-// head dim between compiled sizes): 8 warps cannot copy a 32-row tile of 224 columns in whole passes (it is
-// 3.5 of them), and 64 rows do not fit. These configurations are correct by test on the H100 (a forced limit)
-// but not tuned: no 99 KB GPU is at hand.
+// d128, d192, d224 and d256 (d32 and d160 fit as they are).                 docs/tuning.md#backward-small-smem
+// Each takes the largest tiles that fit, then a second Q/dO stage if that fits too: 64 query rows, 128 keys at d64,
+// 64 at d96/d128, 32 from d192. At d256 even 64 x 32 tiles need 104 KB, so P and dS move into the bytes of V
+// (kPdSInV, traits.h), which then reloads with every query block. d224 runs that d256 kernel (kKernelHeadDim; the
+// last 32 columns are masked, as for any head dim between compiled sizes): 8 warps cannot copy a 32-row tile of 224
+// columns in whole passes (it is 3.5 of them), and 64 rows do not fit. These configurations are correct by test on
+// the H100 (a forced limit) but not tuned: no 99 KB GPU is at hand.
 template <int kHeadDim> struct BwdSmallSmemConfig {
   static constexpr bool kEnabled = kHeadDim != 32 && kHeadDim != 160;
   static constexpr int kKernelHeadDim = kHeadDim == 224 ? 256 : kHeadDim;
@@ -77,5 +81,54 @@ template <int kHeadDim> struct BwdSmallSmemConfig {
   static constexpr int kStages = kHeadDim <= 96 ? 2 : 1;
   static constexpr bool kPdSInV = kKernelHeadDim == 256;
 };
+
+// How the backward brings one key block's share of dQ (fp32, in the MMA's layout) to the global accumulator
+// (dq_accum.h).                                                             docs/tuning.md#dq-path
+// Scalar atomics on the MMA layout touch half-used sectors and make the backward L2-bound; instead:
+//   kWarpSlabs    each warp re-tiles its own 32 x 32 slab (traits.h: kDqWarpSlabs) into float4 rows and adds them
+//                 with float4 atomics, with no CTA barrier; sm90 code only (vector atomics, and the launch gives
+//                 sm90 code the slabs' shared memory);
+//   kStagedInPdS  dQ re-tiled CTA-wide through the bytes of sP and sdS (free once the GEMMs are done), then each
+//                 thread adds 4 consecutive floats (float4 atomics on sm90, coalesced scalars on sm80);
+//   kDirect       the MMA's column pairs added where they are: float2 atomics on sm90 (4 threads fill a 32-byte
+//                 sector), scalar pairs on sm80.
+// Warp slabs wherever the warps own them: no barrier beats the others' savings. Elsewhere staging at head_dim <= 64,
+// where the atomics are a large share of the time, and direct float2 atomics above, where the staging's two
+// barriers and shared-memory traffic cost more than the atomic instructions they save. Without vector atomics
+// (sm80) staging wherever dQ fits in sP and sdS.
+enum class DqPath { kWarpSlabs, kStagedInPdS, kDirect };
+// sm90: the code is compiled for sm90 or later; warp_slabs: the warps own 32 x 32 dQ slabs; fits_in_pds: the block's
+// fp32 dQ tile fits in the bytes of sP and sdS.
+constexpr DqPath dq_path_for(bool sm90, bool warp_slabs, bool fits_in_pds, int head_dim) {
+  if (sm90 && warp_slabs) return DqPath::kWarpSlabs;
+  return (!sm90 || head_dim <= 64) && fits_in_pds ? DqPath::kStagedInPdS : DqPath::kDirect;
+}
+// With direct atomics, the dQ GEMM and its atomics go between the dV and dK GEMMs: the atomics drain while the dK
+// MMAs run, not just before the next block's barrier. The warp slabs gain nothing from it and keep dQ last; the
+// CTA-wide staging must come last (dK reads sdS, whose bytes it takes).    docs/tuning.md#dq-order
+constexpr bool dq_before_dk(DqPath path) { return path == DqPath::kDirect; }
+
+// The backward's two row-wise kernels (preprocess: D and the zeroed dQ accumulator; convert: dQ in the input dtype)
+// give each row the fewest lanes that cover it in 16-byte chunks, a power of two (64-dim rows: 8 lanes, 4 rows per
+// warp), so no lane idles on a short row. kRowKernelWarps per CTA: both kernels stream memory, and the CTA size was
+// not tuned.                                                                docs/tuning.md#row-kernels
+__host__ __device__ constexpr int row_lanes(int head_dim) {
+  int lanes = 1;
+  while (lanes < 32 && lanes * 8 < head_dim) lanes *= 2;
+  return lanes;
+}
+constexpr int kRowKernelWarps = 4;
+
+// ------------------------------------------------------------------------------------------------ both
+// Causal grids dispatch the heaviest blocks first (schedule.h), within groups of this many heads: as many heads as
+// have blocks resident at once anyway, so the heads whose K/V (or Q/dO) are in flight stay those of the plain
+// order and keep sharing L2, while the grid's tail gets shorter. Rounded down to a divisor of nheads.
+//                                                                           docs/tuning.md#causal-order
+constexpr int causal_head_group(int nheads, int resident_ctas, int blocks_per_head) {
+  const int resident_heads = (resident_ctas + blocks_per_head - 1) / blocks_per_head;
+  int group = resident_heads < nheads ? resident_heads : nheads;
+  while (nheads % group != 0) --group;
+  return group;
+}
 
 }  // namespace fa2

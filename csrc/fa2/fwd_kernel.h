@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   };
   // K and V are read block by block from n_block_end - 1 down to 0. Each keeps a running source tile that a
   // load reads and then steps one block down: one 64-bit add per block instead of a 64-bit multiply per
-  // chunk row (with the zero-fill copies: +2-10% at d64, d128 and d256, d128 spilling 24 B instead of 76; NOTES v11).
+  // chunk row, and fewer registers for addresses (docs/tuning.md#running-source-tiles).
   Tensor tKgKn = tKgK(_, _, _, max(n_block_end - 1, 0));
   Tensor tVgVn = tVgV(_, _, _, max(n_block_end - 1, 0));
   const auto k_block_step = stride<3>(tKgK), v_block_step = stride<3>(tVgV);

@@ -26,8 +26,10 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   allow_smem<kernel>(smem, "fwd smem");
   const dim3 grid(ceil_div_host(params.seqlen_q, Traits::kBlockM), params.nheads, params.batch);
   FwdParams p = params;
-  // 4 warps at <= 255 registers: two CTAs per SM; 8 warps: one.
-  if (p.causal && p.head_group == 0) p.head_group = causal_head_group(p, grid.x, Traits::kNWarps == 4 ? 2 : 1);
+  if (p.causal && p.head_group == 0) {
+    const int ctas_per_sm = Traits::kNWarps == 4 ? 2 : 1;  // 4 warps at <= 255 registers: two CTAs per SM; 8: one
+    p.head_group = causal_head_group(p.nheads, device_sm_count() * ctas_per_sm, grid.x);
+  }
   kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
   check_cuda(cudaGetLastError(), "fwd launch");
 }

@@ -59,8 +59,8 @@ inline int block_smem_limit(const FwdParams& p) {
   return p.smem_limit > 0 && p.smem_limit < device ? p.smem_limit : device;
 }
 
-// The arch a kernel's device code was compiled for, as 80, 90, ...: the PTX target it came from, which is what its
-// `#if __CUDA_ARCH__` branches saw. Not the device's compute capability: an sm80-only build runs sm80 code on an
+// The arch a kernel's device code was compiled for, as 80, 90, ...: the PTX target it came from, which decides its
+// arch-dependent paths (dq_accum.h). Not the device's compute capability: an sm80-only build runs sm80 code on an
 // H100 (through the driver's PTX JIT), and a build for 80 and 90 runs its sm90 code on an sm120 GPU. Queried once
 // per (kernel, device).
 template <auto kKernel>
@@ -84,16 +84,6 @@ int kernel_code_arch() {
   throw std::runtime_error(std::string("fa2: the ") + kind + " for head_dim " + std::to_string(head_dim) + " needs " +
                            std::to_string(needed) + " bytes of shared memory per block, and a block may use " +
                            std::to_string(limit) + " here; fa2 supports GPUs that allow at least 99 KB (sm80 and up)");
-}
-
-// Causal grids: how many heads' blocks are dispatched heaviest first together (schedule.h). As many heads
-// as have blocks resident at once anyway, so the group's K/V (or Q/dO) stay in L2 as without grouping;
-// rounded down to a divisor of nheads.
-inline int causal_head_group(const FwdParams& p, int blocks_per_head, int ctas_per_sm) {
-  const int resident_heads = ceil_div_host(device_sm_count() * ctas_per_sm, blocks_per_head);
-  int group = resident_heads < p.nheads ? resident_heads : p.nheads;
-  while (p.nheads % group != 0) --group;
-  return group;
 }
 
 template <int kHeadDim, DType kDType> void run_fwd(const FwdParams& p, cudaStream_t stream);

@@ -1,9 +1,9 @@
 // Which (block, head) a CTA works on. CTAs are dispatched in blockIdx order (x fastest), so the grid order
 // is the schedule. Causal grids have blocks of unequal cost; handing out the heaviest first keeps the
 // grid's tail short (longest-processing-time first). Doing that across all heads of a batch loses L2:
-// CTAs that run side by side then read different heads' K/V (bench/NOTES.md v8, -12% at d64). So heads
-// go in groups of p.head_group, as many as are resident at once anyway (launch.h): within a group the
-// heaviest blocks of all its heads go first, and the group's K/V stay in L2 as before.
+// CTAs that run side by side then read different heads' K/V. So heads go in groups of p.head_group, as
+// many as are resident at once anyway (config.h: causal_head_group; docs/tuning.md#causal-order): within a
+// group the heaviest blocks of all its heads go first, and the group's K/V stay in L2 as before.
 #pragma once
 
 #include "fa2/params.h"

@@ -1,5 +1,6 @@
-// Per-configuration compile-time choices: tile sizes, warps, shared-memory layouts, copy and MMA atoms.
-// The kernels are generic over a Traits type; changing a tile shape never touches a mainloop.
+// What a configuration's numbers (config.h) imply: shared-memory layouts and sizes, copy and MMA atoms, the warps'
+// arrangement of each GEMM. The kernels are generic over a Traits type; changing a tile shape never touches a
+// mainloop.
 #pragma once
 
 #include <type_traits>
@@ -76,7 +77,7 @@ struct FwdTraits : BaseTraits<kHeadDim_, kNWarps_, kDType> {
   static constexpr int kStages = kStages_;  // K/V buffers each: 2 lets the next tile load during this one
   static_assert(kStages == 1 || kStages == 2);
   // With 2 stages, unroll the key-block loop by two so each copy of the body reads a fixed buffer (immediate
-  // ldmatrix offsets): costs registers, so it is a per-head-dim choice (fwd_launch.h).
+  // ldmatrix offsets): costs registers, so it is a per-head-dim choice (config.h: kFwdUnrollStages).
   static constexpr bool kUnrollStages = kUnrollStages_;
   static_assert(!kUnrollStages || kStages == 2);
   static_assert(kBlockM % (16 * kNWarps_) == 0, "each warp owns whole 16-row MMA slabs of Q");
@@ -178,8 +179,8 @@ struct BwdTraits : BaseTraits<kHeadDim_, 8, kDType> {
   static_assert(!kPdSInV || (kStages == 1 && kBlockM == kBlockMSdP && 2 * kPdSElems <= kKVElems));
   static constexpr int kSmemSize =
       (2 * kStages * kQdOElems + 2 * kKVElems + (kPdSInV ? 0 : 2 * kPdSElems)) * int(sizeof(Element));
-  // Extra bytes past kSmemSize for the warps' own dQ slabs, used only by sm90+ device code (bwd_kernel.h:
-  // dq_path); sm80 code re-tiles in the bytes of sP and sdS instead. The launch adds them where the kernel that
+  // Extra bytes past kSmemSize for the warps' own dQ slabs, used only by sm90+ device code (config.h:
+  // dq_path_for); sm80 code re-tiles in the bytes of sP and sdS instead. The launch adds them where the kernel that
   // runs was compiled for sm90+ (bwd_launch.h), whatever GPU it runs on.
   static constexpr int kDqWarpStageBytes = kDqWarpSlabs ? kBlockM * kHeadDim * int(sizeof(float)) : 0;
 };

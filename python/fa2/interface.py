@@ -13,9 +13,7 @@ from fa2 import ops
 
 def build_info() -> dict:
     """What this build compiled: version, cuda_version, archs, fwd_head_dims, bwd_head_dims, dtypes."""
-    if ops._C is None:
-        raise ops.not_built()
-    return ops._C.build_info()
+    return ops.extension().build_info()
 
 
 def _empty_like(t: Tensor) -> Tensor:

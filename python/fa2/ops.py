@@ -56,6 +56,13 @@ def not_built() -> RuntimeError:
                         "torch and nvcc installed), and import fa2 from the installed package, not the source tree.")
 
 
+def extension():
+    """The compiled module fa2._C, or the error saying how to build it."""
+    if _C is None:
+        raise not_built()
+    return _C
+
+
 if _C is None:
     def _missing(*args, **kwargs):
         raise not_built()

@@ -70,7 +70,7 @@ def flash_fwd_tiled(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
     over the K/V blocks it can see, keeping the online-softmax state m, l, acc; the softmax runs in base 2
     with the scale folded in, as the kernel does (exp2 is one instruction). Returns (out, lse).
 
-    rescale_threshold > 0 is the lazy rescale (bench/NOTES.md v9): m moves only once some row of the Q block
+    rescale_threshold > 0 is the lazy rescale (softmax.h): m moves only once some row of the Q block
     has outgrown it by more than that many powers of 2 (the kernel decides per warp of rows). Until then P
     may reach 2**rescale_threshold, and l, acc and lse keep referring to the same stale m, so the softmax is
     unchanged; the rescale of acc is skipped. 0 rescales whenever the max moves (FA2)."""

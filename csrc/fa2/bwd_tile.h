@@ -1,0 +1,147 @@
+// The backward's work on one (query block, key block) tile, shared by both main loops (bwd_kernel.h): S, P, dP
+// and dS into shared memory (bwd_p_ds, bwd_p_ds_block), the dQ GEMM (bwd_dq_tile), and the epilogue that stores an
+// accumulator tile through shared memory (store_acc_tile). The operand layouts and warp arrangements are the
+// Traits' (traits.h).
+#pragma once
+
+#include <cmath>
+#include <cute/tensor.hpp>
+
+#include "fa2/mask.h"
+#include "fa2/params.h"
+#include "fa2/utils.h"
+
+namespace fa2 {
+using namespace cute;
+
+// Register fragments are shaped by a plain row-major (rows, cols) layout; no memory behind it.
+template <typename Element, int kRows, int kCols>
+__device__ __forceinline__ auto fragment_shape() {
+  return make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                     make_layout(Shape<Int<kRows>, Int<kCols>>{}, GenRowMajor{}));
+}
+
+// One (query block, key block) tile, shared by both kernels: S = Q K^T, P = exp2(S*scale_log2 - lse*log2e)
+// (the forward's probabilities, recomputed), dP = dO V^T, dS = P * (dP - D); P and dS are written to
+// shared memory. The caller synchronises before reading sP / sdS.
+template <typename Traits, typename SmemQ, typename SmemKV, typename SmemPdS>
+__device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, SmemQ const& sdO, SmemKV const& sK,
+                                         SmemKV const& sV, SmemPdS& sP, SmemPdS& sdS, const float* lse,
+                                         const float* d_sum, int row_offset, int col_offset, int seqlen_q,
+                                         int seqlen_k) {
+  using Element = typename Traits::Element;
+  using BlockS = Shape<Int<Traits::kBlockMSdP>, Int<Traits::kBlockN>>;
+  const int tid = threadIdx.x;
+  typename Traits::TiledMmaSdP mma;
+  auto thr_mma = mma.get_thread_slice(tid);
+  auto copy_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma);
+  auto copy_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma);
+  auto thr_a = copy_a.get_thread_slice(tid);
+  auto thr_b = copy_b.get_thread_slice(tid);
+  Tensor tSrQ = thr_mma.partition_fragment_A(fragment_shape<Element, Traits::kBlockMSdP, Traits::kHeadDim>());
+  Tensor tSrK = thr_mma.partition_fragment_B(fragment_shape<Element, Traits::kBlockN, Traits::kHeadDim>());
+  Tensor tScS = thr_mma.partition_C(make_identity_tensor(BlockS{}));
+
+  // lse and D of the rows this thread owns. Rows past seqlen_q, and rows that saw no key in the forward
+  // (lse = -inf), get lse = +inf so that P = 0 there.
+  Tensor c = make_tensor(tScS.data(), rowcol_layout(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(c))::value;
+  float lse_log2[kRows], d_row[kRows];
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    const int row = row_offset + get<0>(c(mi, 0));
+    const float l = row < seqlen_q ? lse[row] : INFINITY;
+    lse_log2[mi] = l == -INFINITY ? INFINITY : l * float(M_LOG2E);
+    d_row[mi] = row < seqlen_q ? d_sum[row] : 0.f;
+  }
+
+  Tensor acc_s = partition_fragment_C(mma, BlockS{});
+  clear(acc_s);
+  gemm_ss(mma, acc_s, tSrQ, tSrK, thr_a.partition_S(sQ), thr_b.partition_S(sK), copy_a, copy_b, thr_a, thr_b);
+  const int diagonal = seqlen_k - seqlen_q;
+  if (col_offset + Traits::kBlockN > seqlen_k || (p.causal && col_offset + Traits::kBlockN - 1 > row_offset + diagonal)) {
+    apply_mask(acc_s, tScS, row_offset, col_offset, seqlen_q, seqlen_k, p.causal);
+  }
+  Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = exp2f(s(mi, ni) * p.scale_log2 - lse_log2[mi]);
+  }
+
+  Tensor acc_dp = partition_fragment_C(mma, BlockS{});
+  clear(acc_dp);
+  gemm_ss(mma, acc_dp, tSrQ, tSrK, thr_a.partition_S(sdO), thr_b.partition_S(sV), copy_a, copy_b, thr_a, thr_b);
+  Tensor dp = make_tensor(acc_dp.data(), rowcol_layout(acc_dp.layout()));
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(dp); ++ni) dp(mi, ni) = s(mi, ni) * (dp(mi, ni) - d_row[mi]);
+  }
+
+  auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomOut{}, mma);
+  auto thr_pds = copy_pds.get_thread_slice(tid);
+  if constexpr (Traits::kPdSInV) __syncthreads();  // sP and sdS take V's bytes: every warp's dP GEMM is done with V
+  copy(copy_pds, thr_pds.retile_S(convert_type<Element>(acc_s)), thr_pds.partition_D(sP));
+  copy(copy_pds, thr_pds.retile_S(convert_type<Element>(acc_dp)), thr_pds.partition_D(sdS));
+}
+
+// S, P, dP and dS for a query block, kBlockMSdP rows at a time (traits.h): the row slabs of sQ, sdO,
+// sP and sdS are sub-tiles of the block's.
+template <typename Traits, typename SmemQ, typename SmemKV, typename SmemPdS>
+__device__ __forceinline__ void bwd_p_ds_block(BwdParams const& p, SmemQ const& sQ, SmemQ const& sdO,
+                                               SmemKV const& sK, SmemKV const& sV, SmemPdS& sP, SmemPdS& sdS,
+                                               const float* lse, const float* d_sum, int row_offset,
+                                               int col_offset, int seqlen_q, int seqlen_k) {
+  constexpr int kSlab = Traits::kBlockMSdP;
+  using SlabQ = Shape<Int<kSlab>, Int<Traits::kHeadDim>>;
+  using SlabS = Shape<Int<kSlab>, Int<Traits::kBlockN>>;
+  CUTE_UNROLL
+  for (int h = 0; h < Traits::kBlockM / kSlab; ++h) {
+    Tensor sP_h = local_tile(sP, SlabS{}, make_coord(h, 0));
+    Tensor sdS_h = local_tile(sdS, SlabS{}, make_coord(h, 0));
+    bwd_p_ds<Traits>(p, local_tile(sQ, SlabQ{}, make_coord(h, 0)), local_tile(sdO, SlabQ{}, make_coord(h, 0)), sK,
+                     sV, sP_h, sdS_h, lse, d_sum, row_offset + h * kSlab, col_offset, seqlen_q, seqlen_k);
+  }
+}
+
+// acc_dq += dS K for one tile (dS and K both from shared memory; K read transposed).
+template <typename Traits, typename Acc, typename SmemPdS, typename SmemKt>
+__device__ __forceinline__ void bwd_dq_tile(Acc& acc_dq, SmemPdS const& sdS, SmemKt const& sKt) {
+  using Element = typename Traits::Element;
+  const int tid = threadIdx.x;
+  typename Traits::TiledMmadQ mma;
+  auto thr_mma = mma.get_thread_slice(tid);
+  auto copy_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma);
+  auto copy_b = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma);
+  auto thr_a = copy_a.get_thread_slice(tid);
+  auto thr_b = copy_b.get_thread_slice(tid);
+  Tensor tdQrdS = thr_mma.partition_fragment_A(fragment_shape<Element, Traits::kBlockM, Traits::kBlockN>());
+  Tensor tdQrKt = thr_mma.partition_fragment_B(fragment_shape<Element, Traits::kHeadDim, Traits::kBlockN>());
+  gemm_ss(mma, acc_dq, tdQrdS, tdQrKt, thr_a.partition_S(sdS), thr_b.partition_S(sKt), copy_a, copy_b, thr_a, thr_b);
+}
+
+// Stage a (rows, kHeadDim) accumulator tile through shared memory `sOut` and store it to `gOut`,
+// scaled and converted to Element, writing only rows < max_row and columns < head_dim.
+template <typename Traits, typename TiledMma, typename Acc, typename SmemOut, typename GmemOut>
+__device__ __forceinline__ void store_acc_tile(TiledMma const& mma, Acc& acc, float scale, SmemOut& sOut,
+                                               GmemOut& gOut, int max_row, int head_dim) {
+  using Element = typename Traits::Element;
+  const int tid = threadIdx.x;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) acc(i) *= scale;
+  Tensor r = convert_type<Element>(acc);
+  auto copy_smem = make_tiled_copy_C(typename Traits::SmemCopyAtomOut{}, mma);
+  auto thr_smem = copy_smem.get_thread_slice(tid);
+  copy(copy_smem, thr_smem.retile_S(r), thr_smem.partition_D(sOut));
+  __syncthreads();
+  typename Traits::GmemTiledCopyOut copy_gmem;
+  auto thr_gmem = copy_gmem.get_thread_slice(tid);
+  Tensor tOgO = thr_gmem.partition_D(gOut);
+  Tensor tOrO = make_tensor<Element>(shape(tOgO));
+  copy(copy_gmem, thr_gmem.partition_S(sOut), tOrO);
+  Tensor tOcO = thr_gmem.partition_D(make_identity_tensor(shape(gOut)));
+  store_tile(copy_gmem, tOrO, tOgO, tOcO, max_row, head_dim);
+}
+
+}  // namespace fa2
