@@ -3,7 +3,7 @@
     python bench/prof.py kernel --mode bwd --hdim 128 --seqlen 4096   # one fa2 config in NVTX "profile" ranges
     python bench/prof.py vs-flash --mode bwd --hdims 64,128           # one fa2 and one FA2 (SDPA-flash) call each
     python bench/prof.py source source.csv.gz [--groups]              # where warps stall, per SASS instruction
-    python bench/prof.py sass build/dev/_C.abi3.so --kernel fwd_kernel.*ILi128E   # mainloop SASS, no GPU
+    python bench/prof.py sass build/dev/_C.abi3.so --kernel "fwd_kernel<.*<128,"  # mainloop SASS, no GPU
     python bench/prof.py step --compile                               # a training step under torch.profiler
 
 kernel and vs-flash are targets for ncu (or nsys); run alone they print a sanity time only: bench/bench.py is where
@@ -317,12 +317,19 @@ def report(insns, show_blocks, top):
 
 
 def run_sass(a):
+    names, matched = [], 0
     for name, insns in disassemble(a.binary, a.bin).items():
         pretty = demangle(name.split(" [")[0]) + " [" + name.split(" [")[1]
+        names.append(pretty)
         if not re.search(a.kernel, pretty) or (a.arch and f"[{a.arch}]" not in pretty):
             continue
+        matched += 1
         print(f"{pretty}: {len(insns)} instructions")
         report(insns, a.blocks, a.top)
+    if not matched:  # say so, with what there is (the regex sees demangled names)
+        print(f"prof.py sass: no kernel matches --kernel {a.kernel!r}{' and --arch ' + a.arch if a.arch else ''}; "
+              f"{len(names)} functions, e.g.:\n  " + "\n  ".join(sorted(names)[:8]), file=sys.stderr)
+        return 1
     return 0
 
 
