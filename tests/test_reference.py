@@ -131,3 +131,144 @@ def test_tiled_in_low_precision_meets_the_tolerance_rule(dtype):
     ref64_grads = _ref_grads(q.double(), k.double(), v.double(), dout.double(), upcast=True)
     for name, g, r64, rl in zip(("dq", "dk", "dv"), grads, ref64_grads, _ref_grads(q, k, v, dout, upcast=False)):
         assert_close_to_ref(g, r64, rl, name=f"tiled {name} {dtype}")
+
+
+# ------------------------------------------------------------------------------------ the attention variants
+# flash-attn 2.8's semantics for window_size, softcap and alibi_slopes, and gpt-oss's learnable sinks, written
+# into attention_ref before any kernel has them. Each is checked against a direct, element-by-element reading
+# of its definition.
+def _scores(q, k, scale):
+    """(batch, nheads, seqlen_q, seqlen_k) scaled scores with K repeated over GQA groups, fp64."""
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    return torch.einsum("bihd,bjhd->bhij", q, k) * scale
+
+
+def _attend(S, v, nheads):
+    """softmax over the last dim (rows of -inf give 0) times V, (batch, seqlen_q, nheads, d)."""
+    v = v.repeat_interleave(nheads // v.shape[2], dim=2)
+    P = torch.softmax(S, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhij,bjhd->bihd", P, v)
+
+
+WINDOWS = [(-1, -1), (-1, 0), (0, 0), (3, 2), (16, -1), (-1, 5), (40, 0)]
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("case", [(2, 37, 37, 4, 2, 16), (1, 23, 61, 2, 1, 8), (1, 61, 23, 2, 2, 8)],
+                         ids=["square", "sq<sk", "sq>sk"])
+def test_window_sees_exactly_its_band(case, window):
+    q, k, v = _inputs(*case)
+    sq, sk = case[1], case[2]
+    left, right = window
+    S = _scores(q, k, q.shape[-1] ** -0.5)
+    for i in range(sq):
+        for j in range(sk):
+            d = i + sk - sq  # the key query i is aligned with
+            if (left >= 0 and j < d - left) or (right >= 0 and j > d + right):
+                S[:, :, i, j] = float("-inf")
+    out, lse = attention_ref(q, k, v, window_size=window)
+    torch.testing.assert_close(out, _attend(S, v, case[3]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, torch.logsumexp(S, dim=-1), rtol=0, atol=1e-12)  # -inf rows included
+
+
+def test_causal_is_the_window_minus_one_zero():
+    q, k, v = _inputs(1, 29, 41, 2, 2, 16)
+    for left in (-1, 7):
+        a = attention_ref(q, k, v, causal=True, window_size=(left, -1))
+        b = attention_ref(q, k, v, window_size=(left, 0))
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs,names", [
+    (dict(causal=True, window_size=(4, 3)), ["causal", "window_size"]),
+    (dict(window_size=(-2, 0)), ["window_size"]),
+    (dict(window_size=(1, 2, 3)), ["window_size"]),
+    (dict(softcap=-1.0), ["softcap"]),
+    (dict(dropout_p=1.0), ["dropout_p"]),
+    (dict(dropout_p=0.1), ["dropout_p", "dropout_keep"]),
+])
+def test_options_that_make_no_sense_name_their_arguments(kwargs, names):
+    q, k, v = _inputs(1, 8, 8, 2, 2, 8)
+    with pytest.raises(ValueError) as e:
+        attention_ref(q, k, v, **kwargs)
+    assert all(name in str(e.value) for name in names), str(e.value)
+
+
+@pytest.mark.parametrize("softcap", [0.5, 5.0, 30.0])
+def test_softcap_is_tanh_of_the_scaled_score(softcap):
+    q, k, v = _inputs(2, 19, 33, 4, 2, 16)
+    q = q * 4  # scores well into tanh's bend
+    S = _scores(q, k, 0.3)
+    S = softcap * torch.tanh(S / softcap)
+    out, lse = attention_ref(q, k, v, softmax_scale=0.3, softcap=softcap)
+    torch.testing.assert_close(out, _attend(S, v, 4), rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, torch.logsumexp(S, dim=-1), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("per_batch", [False, True], ids=["slopes_h", "slopes_bh"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_alibi_adds_minus_slope_times_distance(causal, per_batch):
+    b, sq, sk, h = 2, 13, 29, 4
+    q, k, v = _inputs(b, sq, sk, h, 2, 16)
+    slopes = torch.rand(b, h, dtype=torch.float32) if per_batch else torch.rand(h, dtype=torch.float32)
+    S = _scores(q, k, 16 ** -0.5)
+    for bi in range(b):
+        for hi in range(h):
+            slope = float(slopes[bi, hi] if per_batch else slopes[hi])
+            for i in range(sq):
+                for j in range(sk):
+                    S[bi, hi, i, j] -= slope * abs(i + sk - sq - j)
+                    if causal and j > i + sk - sq:
+                        S[bi, hi, i, j] = float("-inf")
+    out, lse = attention_ref(q, k, v, causal=causal, alibi_slopes=slopes)
+    torch.testing.assert_close(out, _attend(S, v, h), rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, torch.logsumexp(S, dim=-1), rtol=0, atol=1e-12)
+
+
+def test_sink_joins_the_denominator_and_its_gradient_has_the_closed_form():
+    q, k, v = _inputs(2, 17, 23, 4, 2, 16)
+    sink = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    out, lse = attention_ref(q, k, v, causal=True, sink=sink)
+    S = _scores(q, k, 16 ** -0.5).masked_fill(~torch.ones(17, 23, dtype=torch.bool).tril(23 - 17), float("-inf"))
+    S_sink = torch.cat([S, sink.detach()[None, :, None, None].expand(2, 4, 17, 1)], dim=-1)
+    torch.testing.assert_close(lse.detach(), torch.logsumexp(S_sink, dim=-1), rtol=0, atol=1e-12)
+    P = torch.softmax(S_sink, dim=-1)[..., :-1]
+    v_ = v.repeat_interleave(2, dim=2)
+    torch.testing.assert_close(out.detach(), torch.einsum("bhij,bjhd->bihd", P, v_), rtol=0, atol=1e-12)
+    # d sink_h = -sum_i exp(sink_h - lse_i) * D_i, D_i = rowsum(dO * O): what the kernel's backward will compute
+    dout = torch.randn_like(out)
+    (dsink,) = torch.autograd.grad(out, sink, dout)
+    D = (dout * out.detach()).sum(-1).transpose(1, 2)  # (batch, nheads, seqlen_q)
+    closed = -(torch.exp(sink.detach()[None, :, None] - lse.detach()) * D).sum(dim=(0, 2))
+    torch.testing.assert_close(dsink, closed, rtol=0, atol=1e-12)
+
+
+def test_sink_of_minus_infinity_is_no_sink():
+    q, k, v = _inputs(1, 9, 9, 2, 2, 8)
+    a = attention_ref(q, k, v, causal=True)
+    b = attention_ref(q, k, v, causal=True, sink=torch.full((2,), float("-inf"), dtype=torch.float64))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_dropout_scales_the_kept_probabilities_after_the_softmax():
+    q, k, v = _inputs(2, 11, 15, 4, 4, 8)
+    p = 0.3
+    keep = torch.rand(2, 4, 11, 15) >= p
+    out, lse = attention_ref(q, k, v, dropout_p=p, dropout_keep=keep)
+    S = _scores(q, k, 8 ** -0.5)
+    P = torch.softmax(S, dim=-1) * keep / (1 - p)
+    torch.testing.assert_close(out, torch.einsum("bhij,bjhd->bihd", P, v), rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, torch.logsumexp(S, dim=-1), rtol=0, atol=1e-12)  # lse is the undropped one
+
+
+def test_every_variant_together_is_differentiable():
+    """gradcheck through window + softcap + ALiBi + sink + GQA + unequal lengths: the reference backward the
+    kernels' will be held to."""
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 7, 11, 4, 2, 8))
+    slopes = torch.rand(4, dtype=torch.float64)
+    sink = torch.randn(4, dtype=torch.float64, requires_grad=True)
+
+    def f(q, k, v, sink):
+        return attention_ref(q, k, v, window_size=(3, 1), softcap=2.0, alibi_slopes=slopes, sink=sink)[0]
+
+    assert torch.autograd.gradcheck(f, (q, k, v, sink))

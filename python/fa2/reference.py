@@ -39,20 +39,87 @@ def visible(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int
     return cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
 
 
-def attention_ref(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None, upcast: bool = True,
+def window_visible(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int,
+                   window_size: Tuple[int, int]) -> torch.Tensor:
+    """Sliding-window (local) mask, flash-attn 2.8's: query i sees key j iff
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, a side of -1 being unbounded.
+    Bottom-right aligned like causal; causal is window_size (-1, 0)."""
+    left, right = window_size
+    diagonal = rows[:, None] + (seqlen_k - seqlen_q)  # the key a query is aligned with
+    seen = torch.ones(len(rows), len(cols), dtype=torch.bool, device=rows.device)
+    if left >= 0:
+        seen &= cols[None, :] >= diagonal - left
+    if right >= 0:
+        seen &= cols[None, :] <= diagonal + right
+    return seen
+
+
+def alibi_bias(slopes: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int,
+               seqlen_k: int) -> torch.Tensor:
+    """flash-attn's ALiBi: -slope * |i + seqlen_k - seqlen_q - j|, added to the scaled score (causal or not).
+    slopes: (nheads,) or (batch, nheads); returns (batch or 1, nheads, rows, cols)."""
+    distance = (rows[:, None] + (seqlen_k - seqlen_q) - cols[None, :]).abs()
+    slopes = slopes if slopes.dim() == 2 else slopes[None]
+    return -slopes[:, :, None, None] * distance
+
+
+def check_options(*, causal: bool, window_size, softcap: float, dropout_p: float) -> Tuple[int, int]:
+    """The feature options that make sense, as flash-attn defines them; returns the effective window
+    (causal folds into it as right = 0). Combinations that make no sense raise naming both arguments."""
+    if len(window_size) != 2 or any(not isinstance(w, int) or isinstance(w, bool) or w < -1 for w in window_size):
+        raise ValueError(f"window_size must be a pair of ints >= -1 (-1: unbounded), got {tuple(window_size)!r}")
+    left, right = window_size
+    if causal and right > 0:
+        raise ValueError(f"causal=True with window_size={tuple(window_size)!r}: causal means no key to the right of "
+                         f"the diagonal, window_size[1] = {right} asks for some; pass window_size=({left}, 0) "
+                         f"without causal, or causal=True with window_size[1] in (-1, 0)")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0: off), got {softcap!r}")
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return (left, 0) if causal else (left, right)
+
+
+def attention_ref(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
+                  window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                  alibi_slopes: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None,
+                  dropout_p: float = 0.0, dropout_keep: Optional[torch.Tensor] = None, upcast: bool = True,
                   dtype: torch.dtype = torch.float64) -> Tuple[torch.Tensor, torch.Tensor]:
     """softmax(Q K^T * softmax_scale) V. upcast=True computes in `dtype` (float64 by default);
     upcast=False computes in the inputs' own precision, as plain PyTorch attention would. Returns out in
-    the inputs' dtype and lse (batch, nheads, seqlen_q) in the compute dtype (at least float32)."""
+    the inputs' dtype and lse (batch, nheads, seqlen_q) in the compute dtype (at least float32).
+
+    The variants, each off by default, in the order they apply to a score s = q.k * softmax_scale:
+    - softcap > 0: s = softcap * tanh(s / softcap);
+    - alibi_slopes (nheads,) or (batch, nheads): s += -slope * |i + seqlen_k - seqlen_q - j| (alibi_bias);
+    - window_size (left, right) and causal: keys outside the band are masked (window_visible);
+    - sink (nheads,): a per-head logit in every row's softmax denominator with no value attached,
+      lse_i = log(exp(sink_h) + sum_j exp(s_ij)); differentiable (d sink_h = -sum_i exp(sink_h - lse_i) * D_i);
+    - dropout_p with dropout_keep (bool, (batch, nheads, seqlen_q, seqlen_k)): the kept probabilities are scaled
+      by 1 / (1 - dropout_p), the others dropped, after the softmax (lse is the undropped one). The kernel
+      draws the mask from its RNG; the specification takes it as an argument."""
+    left, right = check_options(causal=causal, window_size=window_size, softcap=softcap, dropout_p=dropout_p)
     scale = _scale(softmax_scale, q)
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     q_, k_, v_ = (t.to(dtype) if upcast else t for t in _heads_first(q, k, v))
     S = (q_ @ k_.transpose(-1, -2)) * scale  # here S is already scaled
-    if causal:
-        rows, cols = torch.arange(seqlen_q, device=q.device), torch.arange(seqlen_k, device=q.device)
-        S = S.masked_fill(~visible(rows, cols, seqlen_q, seqlen_k), NEG_INF)
+    rows, cols = torch.arange(seqlen_q, device=q.device), torch.arange(seqlen_k, device=q.device)
+    if softcap > 0:
+        S = softcap * torch.tanh(S / softcap)
+    if alibi_slopes is not None:
+        S = S + alibi_bias(alibi_slopes.to(S.dtype), rows, cols, seqlen_q, seqlen_k)
+    if (left, right) != (-1, -1):
+        S = S.masked_fill(~window_visible(rows, cols, seqlen_q, seqlen_k, (left, right)), NEG_INF)
+    if sink is not None:  # one more column: the sink's logit joins the softmax, its probability is dropped
+        S = torch.cat([S, sink.to(S.dtype)[None, :, None, None].expand(*S.shape[:-1], 1)], dim=-1)
     lse = torch.logsumexp(S.to(torch.promote_types(S.dtype, torch.float32)), dim=-1)
     P = torch.softmax(S, dim=-1).masked_fill(torch.isneginf(lse)[..., None], 0.0)  # no visible key: P = 0
+    if sink is not None:
+        P = P[..., :-1]
+    if dropout_keep is not None:
+        P = P * dropout_keep / (1 - dropout_p)
+    elif dropout_p > 0:
+        raise ValueError(f"dropout_p={dropout_p!r} needs dropout_keep, the mask of kept probabilities")
     return (P @ v_).transpose(1, 2).to(q.dtype), lse
 
 
