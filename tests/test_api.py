@@ -102,8 +102,6 @@ BAD_QKV = [  # (id, make (q, k, v) from good ones, exception, message pattern na
     ("head_dim", lambda q, k, v: (q, k[..., :32], v[..., :32]), ValueError, "k must be .*head_dim=64"),
     ("v_shape", lambda q, k, v: (q, k, v[:, :8]), ValueError, "v must have the same shape as k"),
     ("nheads", lambda q, k, v: (q, k[:, :, :3], v[:, :, :3]), ValueError, "nheads \\(4\\) must be a multiple"),
-    ("head_dim_60", lambda q, k, v: (q[..., :60], k[..., :60], v[..., :60]), ValueError,
-     "head_dim .* must be a multiple of 8"),
     ("head_dim_264", lambda q, k, v: tuple(torch.randn(1, 4, 1, 264, dtype=BF16) for _ in range(3)), ValueError,
      "head_dim .* must be a multiple of 8 in \\[8, 256\\], got 264"),
     ("last_dim_strided", lambda q, k, v: (q, k.transpose(1, 3).contiguous().transpose(1, 3), v), ValueError,
@@ -253,3 +251,61 @@ def test_varlen_launches_pass_offsets_and_totals(recording):
         assert (args["batch"], args["seqlen_q"], args["seqlen_k"], args["total_q"], args["total_k"]) == (2, 7, 6, 12, 10)
         assert args["q_stride"] == (0, 4 * 64, 64) and args["k_stride"] == (0, 2 * 64, 64)
     assert bwd_args["dkv_fp32"] is True and bwd_args["dk_stride"] == (0, 4 * 64, 64)  # per query head, float32
+
+
+# ------------------------------------------------------------------------- head dims that are not a multiple of 8
+def test_the_ops_themselves_take_only_multiples_of_8():
+    """Zero-padding is the Python layer's (below); a direct op call gets the op's own message."""
+    q, k, v = (t[..., :60] for t in _qkv())
+    with pytest.raises(ValueError, match="head_dim .* must be a multiple of 8 in \\[8, 256\\], got 60: zero-pad"):
+        torch.ops.fa2.fwd(q, k, v, None, False)
+
+
+def _f32(x: float) -> float:  # the kernels' parameters hold float32
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+@pytest.mark.parametrize("head_dim", [1, 7, 60])  # the trimmed CI build has d64 kernels only
+def test_an_unaligned_head_dim_runs_zero_padded_with_its_own_scale(head_dim, recording):
+    q, k, v = _qkv(h=4, hk=2, d=head_dim)
+    out, lse = fa2.fwd(q, k, v, causal=True)
+    (kind, args), = recording.calls
+    assert kind == "fwd" and args["head_dim"] == head_dim + (-head_dim % 8)
+    assert args["softmax_scale"] == _f32(head_dim ** -0.5) and args["q"] != q.data_ptr()  # a padded copy
+    assert out.shape == q.shape and lse.shape == (1, 4, 16)
+    dq, dk, dv = fa2.bwd(torch.randn_like(out), q, k, v, out, lse, causal=True)
+    (kind, args), = recording.calls[1:]
+    assert kind == "bwd" and args["head_dim"] == head_dim + (-head_dim % 8)
+    assert args["softmax_scale"] == _f32(head_dim ** -0.5)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_an_aligned_head_dim_is_not_copied(recording):
+    q, k, v = _qkv(d=64)
+    fa2.fwd(q, k, v)
+    (kind, args), = recording.calls
+    assert args["q"] == q.data_ptr() and args["k"] == k.data_ptr() and args["v"] == v.data_ptr()
+
+
+def test_unaligned_head_dims_in_every_entry_point(recording):
+    """fa2.attention and the varlen pair pad too; a given out= / dq= buffer receives the true columns."""
+    q, k, v = _qkv(d=20)
+    out = fa2.attention(q, k, v, softmax_scale=0.3)
+    assert out.shape == q.shape and recording.calls[-1][1]["softmax_scale"] == _f32(0.3)
+    buf = torch.empty_like(q)
+    assert fa2.fwd(q, k, v, out=buf)[0] is buf
+    with pytest.raises(ValueError, match="out must be a torch.bfloat16 tensor of shape \\(1, 16, 4, 20\\)"):
+        fa2.fwd(q, k, v, out=torch.empty(1, 16, 4, 24, dtype=BF16))
+    qp, kp, vp = (t[0] for t in (q, k, v))
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    out, lse = fa2.fwd_varlen(qp, kp, vp, cu, cu, 16, 16)
+    assert out.shape == qp.shape and recording.calls[-1][1]["head_dim"] == 24
+    grads = fa2.bwd_varlen(torch.randn_like(out), qp, kp, vp, out, lse, cu, cu, 16, 16, dq=torch.empty_like(qp))
+    assert [g.shape for g in grads] == [qp.shape, kp.shape, vp.shape] and recording.calls[-1][0] == "bwd"
+    assert fa2.attention_varlen(qp, kp, vp, cu, cu, 16, 16).shape == qp.shape
+
+
+def test_head_dims_that_differ_are_not_padded_but_refused():
+    q, k, v = _qkv(d=20)
+    with pytest.raises(ValueError, match="k must be"):
+        fa2.fwd(q, k[..., :12], v[..., :12])

@@ -174,3 +174,49 @@ def test_tiled_backward_passes_gradcheck(shape, causal):
     q, k, v = (torch.randn(b, s, n, d, dtype=torch.float64, requires_grad=True)
                for s, n in ((sq, h), (sk, hk), (sk, hk)))
     assert torch.autograd.gradcheck(lambda q, k, v: _Tiled.apply(q, k, v, causal), (q, k, v))
+
+
+# Head dims that are not a multiple of 8 run zero-padded (python/fa2/ops.py: pad_head_dim), as flash-attn does.
+# Not head_dim 1: there dq missed the rule in bf16 (1.30e-2 against a bound of 1.22e-2, b2 77x77 h4, full), the
+# backward's D = rowsum(dO * O) being taken from the bf16-rounded O with no columns to average its error over.
+# That is the kernel's algorithm at an effective head dim of 1, not the padding; it is an open finding.
+UNALIGNED = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
+    (1, 200, 333, 4, 2, 7),  # GQA
+    (2, 129, 129, 4, 1, 20),  # MQA
+    (1, 300, 200, 2, 2, 60),
+    (1, 257, 257, 4, 4, 100),
+    (1, 190, 190, 2, 1, 250),
+]
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", UNALIGNED, ids=["b{}_{}x{}_h{}kv{}_d{}".format(*c) for c in UNALIGNED])
+def test_unaligned_head_dims_match_reference(case, dtype, causal, require_kernel):
+    b, sq, sk, h, hk, d = case
+    require_kernel("bwd", d + (-d % 8), dtype)
+    q, k, v = (randn(b, s, n, d, dtype=dtype, requires_grad=True) for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    out = fa2.attention(q, k, v, causal=causal)
+    assert out.shape == q.shape
+    ref64 = attention_ref(*(t.detach().double() for t in (q, k, v)), causal=causal)[0]
+    ref_low = attention_ref(*(t.detach() for t in (q, k, v)), causal=causal, upcast=False)[0]
+    assert_close_to_ref(out, ref64, ref_low, name=f"out {case} {dtype} causal={causal}")
+    dout = torch.randn_like(out)
+    check_grads(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, causal, f"{case} {dtype} causal={causal}")
+
+
+@gpu
+def test_unaligned_head_dim_through_the_low_level_calls_and_given_buffers(require_kernel):
+    require_kernel("bwd", 24, torch.bfloat16)
+    q, k, v = randn(2, 150, 4, 20), randn(2, 170, 2, 20), randn(2, 170, 2, 20)
+    out = poison(torch.empty_like(q))
+    assert fa2.fwd(q, k, v, causal=True, out=out)[0] is out
+    assert_written(out, name="out")
+    lse = fa2.fwd(q, k, v, causal=True)[1]
+    dout = torch.randn_like(out)
+    dq, dk, dv = (poison(torch.empty_like(t)) for t in (q, k, v))
+    assert all(r is g for r, g in zip(fa2.bwd(dout, q, k, v, out, lse, causal=True, dq=dq, dk=dk, dv=dv), (dq, dk, dv)))
+    for name, g in zip(("dq", "dk", "dv"), (dq, dk, dv)):
+        assert_written(g, name=name)
+    check_grads((dq, dk, dv), q, k, v, dout, True, "fa2.bwd d20")

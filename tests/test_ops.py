@@ -347,3 +347,21 @@ def test_cuda_graph_of_a_training_step_replays_the_eager_steps_bit_for_bit(requi
     for (name, p), p_eager, p_warm in zip(model.named_parameters(), eager.parameters(), after_warmup):
         assert not torch.equal(p, p_warm), f"{name} did not change in the replays"
         assert torch.equal(p, p_eager), f"{name} differs from the eager run after {warmup + replays} steps"
+
+
+@pytest.mark.gpu
+def test_an_unaligned_head_dim_compiles_into_one_graph(require_kernel):
+    """The zero-padding of a head dim that is not a multiple of 8 is traced with the op: no graph break, the same
+    numbers as eager."""
+    require_kernel("bwd", 24, torch.bfloat16)
+    q, k, v = (torch.randn(2, 100, 4, 20, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    attend = functools.partial(fa2.attention, causal=True, deterministic=True)  # dQ without atomics: repeatable
+    compiled = torch.compile(attend, fullgraph=True)
+    out = compiled(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    out_eager = attend(q, k, v)
+    grads_eager = torch.autograd.grad(out_eager, (q, k, v), torch.ones_like(out))
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, out_eager, rtol=0, atol=0)
+    for g, ge in zip(grads, grads_eager):
+        torch.testing.assert_close(g, ge, rtol=0, atol=0)

@@ -25,12 +25,35 @@ def _check_out_missing(out, fwd_name: str) -> None:
         raise TypeError(f"out must be the output tensor of {fwd_name}, got None")
 
 
+def _true_scale(softmax_scale: Optional[float], head_dim: int) -> float:
+    return head_dim ** -0.5 if softmax_scale is None else softmax_scale
+
+
+def _unpad(t: Tensor, head_dim: int, name: str, buffer: Optional[Tensor]) -> Tensor:
+    """The first head_dim columns of a result computed zero-padded (ops.pad_head_dim), written into `buffer`
+    if one was given."""
+    t = t[..., :head_dim]
+    if buffer is None:
+        return t
+    ops.check_tensors(**{name: buffer})
+    if buffer.shape != t.shape or buffer.dtype != t.dtype:
+        raise ValueError(f"{name} must be a {t.dtype} tensor of shape {tuple(t.shape)}, got {buffer.dtype} "
+                         f"{tuple(buffer.shape)}")
+    return buffer.copy_(t)
+
+
 def fwd(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: Optional[float] = None, causal: bool = False,
         out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Attention forward. q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k, head_dim),
     fp16 or bf16, last dim contiguous, other strides free. softmax_scale defaults to head_dim ** -0.5; causal
     lets query i see key j iff j <= i + seqlen_k - seqlen_q. Returns out (shaped like q; written into `out` if
-    given) and lse, float32 (batch, nheads, seqlen_q), the natural-log softmax normaliser."""
+    given) and lse, float32 (batch, nheads, seqlen_q), the natural-log softmax normaliser. A head_dim that is not a
+    multiple of 8 runs zero-padded (a copy), softmax_scale defaulting to the true head_dim's."""
+    if type(q) is Tensor and type(k) is Tensor and type(v) is Tensor:
+        head_dim = ops.unaligned_head_dim(q, k, v)
+        if head_dim:
+            o, lse = fwd(*ops.pad_head_dim(q, k, v), softmax_scale=_true_scale(softmax_scale, head_dim), causal=causal)
+            return _unpad(o, head_dim, "out", out), lse
     if out is None:
         if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
             ops.check_tensors(q=q, k=k, v=v)
@@ -48,6 +71,11 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     bit-for-bit repeatable (and slower)."""
     _check_out_missing(out, "fwd")
     ops.check_tensors(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    head_dim = ops.unaligned_head_dim(q, k, v, dout, out)
+    if head_dim:
+        grads = bwd(*ops.pad_head_dim(dout, q, k, v, out), lse, softmax_scale=_true_scale(softmax_scale, head_dim),
+                    causal=causal, deterministic=deterministic)
+        return tuple(_unpad(g, head_dim, n, b) for g, n, b in zip(grads, ("dq", "dk", "dv"), (dq, dk, dv)))
     if dq is None and dk is None and dv is None:
         return ops.call(ops.BWD, dout, q, k, v, out, lse, softmax_scale, bool(causal), bool(deterministic))
     ops.check_tensors(**{name: t for name, t in (("dq", dq), ("dk", dk), ("dv", dv)) if t is not None})
@@ -67,6 +95,11 @@ def fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     and lse, float32 (nheads, total_q)."""
     ops.check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     ops.check_max_seqlens(max_seqlen_q, max_seqlen_k)
+    head_dim = ops.unaligned_head_dim(q, k, v)
+    if head_dim:
+        o, lse = fwd_varlen(*ops.pad_head_dim(q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            softmax_scale=_true_scale(softmax_scale, head_dim), causal=causal)
+        return _unpad(o, head_dim, "out", out), lse
     if out is None:
         return ops.call(ops.FWD_VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                         bool(causal))
@@ -83,6 +116,12 @@ def bwd_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
     _check_out_missing(out, "fwd_varlen")
     ops.check_tensors(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     ops.check_max_seqlens(max_seqlen_q, max_seqlen_k)
+    head_dim = ops.unaligned_head_dim(q, k, v, dout, out)
+    if head_dim:
+        grads = bwd_varlen(*ops.pad_head_dim(dout, q, k, v, out), lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, softmax_scale=_true_scale(softmax_scale, head_dim), causal=causal,
+                           deterministic=deterministic)
+        return tuple(_unpad(g, head_dim, n, b) for g, n, b in zip(grads, ("dq", "dk", "dv"), (dq, dk, dv)))
     if dq is None and dk is None and dv is None:
         return ops.call(ops.BWD_VARLEN, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         max_seqlen_k, softmax_scale, bool(causal), bool(deterministic))

@@ -127,6 +127,25 @@ def check_max_seqlens(max_seqlen_q, max_seqlen_k) -> None:
             raise TypeError(f"{name} must be a non-negative Python int (the longest sequence), got {m!r}")
 
 
+# ----------------------------------------------------------------------------------------------- head dims
+def unaligned_head_dim(*tensors: Tensor) -> int:
+    """The head dim of q, k, v (and friends) where the kernels cannot take it as it is but zero-padding can make
+    it fit: the same last dim everywhere, not a multiple of 8 (the kernels move 16-byte chunks), below 256.
+    0 otherwise, including every aligned head dim (those run as they are, with no copy) and anything the op's own
+    checks should reject with their message (mismatched or too large head dims)."""
+    head_dim = tensors[0].shape[-1]
+    if head_dim % 8 == 0 or head_dim > 256 or any(t.shape[-1] != head_dim for t in tensors[1:]):
+        return 0
+    return head_dim
+
+
+def pad_head_dim(*tensors: Tensor):
+    """Zero columns up to the next multiple of 8, as flash-attn pads: they add 0 to every score, and the output's
+    and gradients' extra columns are sliced off (the caller passes softmax_scale for the true head dim)."""
+    pad = -tensors[0].shape[-1] % 8
+    return [torch.nn.functional.pad(t, (0, pad)) for t in tensors]
+
+
 # ----------------------------------------------------------------------------------------------- autograd
 def _setup_context(ctx, inputs, output):
     """Save q, k, v, out and lse (O(seqlen) memory: no seqlen_q x seqlen_k tensor) and, for varlen, the
@@ -207,10 +226,16 @@ def _attend(op, q, k, v, *args) -> Tensor:
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
               deterministic: bool = False) -> Tensor:
     """softmax(q k^T * softmax_scale [causal mask]) v, differentiable in q, k and v. Layout
-    (batch, seqlen, nheads, head_dim); k and v may have fewer heads (GQA/MQA). Returns out, shaped like q.
+    (batch, seqlen, nheads, head_dim); k and v may have fewer heads (GQA/MQA). Any head_dim up to 256: one that is
+    not a multiple of 8 runs zero-padded (a copy; softmax_scale defaults to the true head_dim ** -0.5). Returns out,
+    shaped like q.
     deterministic=True makes the backward bit-for-bit repeatable (see fa2.bwd)."""
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         check_tensors(q=q, k=k, v=v)
+    head_dim = unaligned_head_dim(q, k, v)
+    if head_dim:
+        scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+        return _attend(FWD, *pad_head_dim(q, k, v), scale, bool(causal), bool(deterministic))[..., :head_dim]
     return _attend(FWD, q, k, v, softmax_scale, bool(causal), bool(deterministic))
 
 
@@ -222,5 +247,10 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if not torch.compiler.is_compiling():
         check_max_seqlens(max_seqlen_q, max_seqlen_k)
+    head_dim = unaligned_head_dim(q, k, v)
+    if head_dim:
+        scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+        return _attend(FWD_VARLEN, *pad_head_dim(q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       scale, bool(causal), bool(deterministic))[..., :head_dim]
     return _attend(FWD_VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                    bool(causal), bool(deterministic))
