@@ -25,10 +25,6 @@ def _check_out_missing(out, fwd_name: str) -> None:
         raise TypeError(f"out must be the output tensor of {fwd_name}, got None")
 
 
-def _true_scale(softmax_scale: Optional[float], head_dim: int) -> float:
-    return head_dim ** -0.5 if softmax_scale is None else softmax_scale
-
-
 def _unpad(t: Tensor, head_dim: int, name: str, buffer: Optional[Tensor]) -> Tensor:
     """The first head_dim columns of a result computed zero-padded (ops.pad_head_dim), written into `buffer`
     if one was given."""
@@ -49,16 +45,16 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: Optional[float] = Non
     lets query i see key j iff j <= i + seqlen_k - seqlen_q. Returns out (shaped like q; written into `out` if
     given) and lse, float32 (batch, nheads, seqlen_q), the natural-log softmax normaliser. A head_dim that is not a
     multiple of 8 runs zero-padded (a copy), softmax_scale defaulting to the true head_dim's."""
-    if type(q) is Tensor and type(k) is Tensor and type(v) is Tensor:
-        head_dim = ops.unaligned_head_dim(q, k, v)
-        if head_dim:
-            o, lse = fwd(*ops.pad_head_dim(q, k, v), softmax_scale=_true_scale(softmax_scale, head_dim), causal=causal)
-            return _unpad(o, head_dim, "out", out), lse
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+        ops.check_tensors(q=q, k=k, v=v)
+    head_dim = ops.unaligned_head_dim(q, k, v)
+    if head_dim:
+        scale = ops.true_scale(softmax_scale, head_dim)
+        o, lse = fwd(*ops.pad_head_dim(q, k, v), softmax_scale=scale, causal=causal)
+        return _unpad(o, head_dim, "out", out), lse
     if out is None:
-        if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
-            ops.check_tensors(q=q, k=k, v=v)
         return ops.call(ops.FWD, q, k, v, softmax_scale, bool(causal))
-    ops.check_tensors(q=q, k=k, v=v, out=out)
+    ops.check_tensors(out=out)
     return out, ops.call(ops.FWD_OUT, q, k, v, None, None, 0, 0, softmax_scale, bool(causal), out)
 
 
@@ -73,7 +69,7 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     ops.check_tensors(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     head_dim = ops.unaligned_head_dim(q, k, v, dout, out)
     if head_dim:
-        grads = bwd(*ops.pad_head_dim(dout, q, k, v, out), lse, softmax_scale=_true_scale(softmax_scale, head_dim),
+        grads = bwd(*ops.pad_head_dim(dout, q, k, v, out), lse, softmax_scale=ops.true_scale(softmax_scale, head_dim),
                     causal=causal, deterministic=deterministic)
         return tuple(_unpad(g, head_dim, n, b) for g, n, b in zip(grads, ("dq", "dk", "dv"), (dq, dk, dv)))
     if dq is None and dk is None and dv is None:
@@ -98,7 +94,7 @@ def fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     head_dim = ops.unaligned_head_dim(q, k, v)
     if head_dim:
         o, lse = fwd_varlen(*ops.pad_head_dim(q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            softmax_scale=_true_scale(softmax_scale, head_dim), causal=causal)
+                            softmax_scale=ops.true_scale(softmax_scale, head_dim), causal=causal)
         return _unpad(o, head_dim, "out", out), lse
     if out is None:
         return ops.call(ops.FWD_VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
@@ -119,7 +115,7 @@ def bwd_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
     head_dim = ops.unaligned_head_dim(q, k, v, dout, out)
     if head_dim:
         grads = bwd_varlen(*ops.pad_head_dim(dout, q, k, v, out), lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                           max_seqlen_k, softmax_scale=_true_scale(softmax_scale, head_dim), causal=causal,
+                           max_seqlen_k, softmax_scale=ops.true_scale(softmax_scale, head_dim), causal=causal,
                            deterministic=deterministic)
         return tuple(_unpad(g, head_dim, n, b) for g, n, b in zip(grads, ("dq", "dk", "dv"), (dq, dk, dv)))
     if dq is None and dk is None and dv is None:

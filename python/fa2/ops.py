@@ -139,6 +139,11 @@ def unaligned_head_dim(*tensors: Tensor) -> int:
     return head_dim
 
 
+def true_scale(softmax_scale: Optional[float], head_dim: int) -> float:
+    """softmax_scale, defaulting to the true (unpadded) head dim's."""
+    return head_dim ** -0.5 if softmax_scale is None else softmax_scale
+
+
 def pad_head_dim(*tensors: Tensor):
     """Zero columns up to the next multiple of 8, as flash-attn pads: they add 0 to every score, and the output's
     and gradients' extra columns are sliced off (the caller passes softmax_scale for the true head dim)."""
@@ -199,6 +204,10 @@ _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 def _attend(op, q, k, v, *args) -> Tensor:
+    head_dim = unaligned_head_dim(q, k, v)
+    if head_dim:  # zero-padded; softmax_scale (args[-3] of both ops) from the true head dim
+        args = (*args[:-3], true_scale(args[-3], head_dim), *args[-2:])
+        return _attend(op, *pad_head_dim(q, k, v), *args)[..., :head_dim]
     if torch.is_autocast_enabled("cuda"):  # floating inputs run in the autocast dtype, as for torch's own SDPA
         dtype = torch.get_autocast_dtype("cuda")
         q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.is_cuda and t.is_floating_point() else t
@@ -232,10 +241,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     deterministic=True makes the backward bit-for-bit repeatable (see fa2.bwd)."""
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         check_tensors(q=q, k=k, v=v)
-    head_dim = unaligned_head_dim(q, k, v)
-    if head_dim:
-        scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
-        return _attend(FWD, *pad_head_dim(q, k, v), scale, bool(causal), bool(deterministic))[..., :head_dim]
     return _attend(FWD, q, k, v, softmax_scale, bool(causal), bool(deterministic))
 
 
@@ -247,10 +252,5 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if not torch.compiler.is_compiling():
         check_max_seqlens(max_seqlen_q, max_seqlen_k)
-    head_dim = unaligned_head_dim(q, k, v)
-    if head_dim:
-        scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
-        return _attend(FWD_VARLEN, *pad_head_dim(q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       scale, bool(causal), bool(deterministic))[..., :head_dim]
     return _attend(FWD_VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                    bool(causal), bool(deterministic))

@@ -36,7 +36,7 @@ def _heads_first(*tensors):
 
 def visible(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
     """Causal mask of the score tile (rows x cols), as in mask.h: True where query i sees key j."""
-    return cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
+    return window_visible(rows, cols, seqlen_q, seqlen_k, (-1, 0))
 
 
 def window_visible(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int,
