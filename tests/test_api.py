@@ -35,8 +35,12 @@ def test_public_api_is_exactly_this():
     assert callable(fa2.reference.attention_ref) and isinstance(fa2.__version__, str)
 
 
+# The source tree, not the installed package: an installed directory can hold files another distribution left.
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "fa2")
+
+
 def _package_modules():
-    root = os.path.dirname(fa2.__file__)
+    root = SOURCE
     for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
         yield os.path.relpath(path, root), ast.parse(open(path).read())
 
@@ -79,6 +83,23 @@ def test_import_without_extension_fails_only_when_a_kernel_is_needed():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert "not built" in result.stdout and "pip install" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_import_warns_when_another_fa2_distribution_shares_the_directory(tmp_path, shared):
+    # A copy of the package, with (shared) or without a distribution named fa2 that claims fa2/__init__.py.
+    import shutil
+    shutil.copytree(SOURCE, tmp_path / "pkg" / "fa2",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    info = tmp_path / ("pkg" if shared else "other") / "fa2-0.0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fa2\nVersion: 0.0.1\n")
+    (info / "RECORD").write_text("fa2/__init__.py,,\n")
+    code = "import sys; sys.modules['fa2._C'] = None\nimport fa2\n"
+    path = [str(tmp_path / "pkg"), str(tmp_path / "other")] + sys.path
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(path)})
+    assert ("pip uninstall fa2 fa2-cute" in result.stderr) == shared, result.stderr
 
 
 @pytest.mark.skipif(not _is_built(), reason="fa2._C is not built")

@@ -8,6 +8,10 @@
     fa2.hf.register()                                  # attn_implementation="fa2" in transformers
     fa2.sdpa.activate()                                # fa2 behind F.scaled_dot_product_attention
 """
+import os
+import warnings
+from importlib import metadata
+
 import torch  # noqa: F401  (first: fa2._C links libtorch, which torch's import loads)
 
 from fa2 import reference
@@ -19,3 +23,20 @@ from fa2.ops import attention, attention_varlen
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_varlen", "build_info", "bwd", "bwd_varlen", "flash_attn_func",
            "flash_attn_varlen_func", "fwd", "fwd_varlen", "hf", "reference", "sdpa", "__version__"]
+
+
+def _warn_if_another_distribution_shares_this_directory() -> None:
+    # pip removes only the files of the distribution it replaces. Another distribution named `fa2` (this project's
+    # builds before it was named fa2-cute, or PyPI's unrelated `fa2`) leaves its modules beside ours, and
+    # `import fa2.<its module>` then loads code that does not belong to this package.
+    try:
+        other = metadata.distribution("fa2")
+    except metadata.PackageNotFoundError:
+        return
+    if os.path.realpath(str(other.locate_file("fa2/__init__.py"))) == os.path.realpath(__file__):
+        warnings.warn(f"the distribution fa2 {other.version} is installed in the same place as fa2-cute and its files "
+                      "may shadow fa2's modules: run `pip uninstall fa2 fa2-cute`, then install fa2-cute again",
+                      stacklevel=2)
+
+
+_warn_if_another_distribution_shares_this_directory()
