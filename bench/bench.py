@@ -8,6 +8,7 @@ batch, nheads, ms, tflops, device, date, bench, plus the mode's own).
     python bench/bench.py varlen                    # packed batches against padding
     python bench/bench.py host                      # host µs per eager call at host-bound shapes
     python bench/bench.py decode                    # 1-4 queries against a KV cache of 1k-32k, GQA 32/8, d128
+    python bench/bench.py features                  # window, softcap, sinks against plain and causal attention
     python bench/bench.py ab --builds base=DIR,new=DIR   # builds of fa2._C timed side by side, after the tests' check
     python bench/bench.py repeat                    # one shape on freshly placed inputs, several times
     python bench/bench.py plot FILE.jsonl           # TFLOP/s against seqlen, a panel per (hdim, causal, mode)
@@ -330,6 +331,83 @@ def run_host(args):
     if not args.no_layers:
         host_layers(fa2)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------- features
+# name: (causal, fa2.attention options; "sink" = a random (nheads,) sink, "alibi" = ALiBi's geometric (nheads,)
+# slopes). "none" and "causal" are the baselines each
+# feature is compared with (same causality), and the rows SDPA-flash is timed at.
+FEATURES = {
+    "none": (False, {}), "causal": (True, {}),
+    "softcap": (False, dict(softcap=30.0)), "softcap_causal": (True, dict(softcap=30.0)),
+    "sink": (False, "sink"), "sink_causal": (True, "sink"),
+    "alibi": (False, "alibi"), "alibi_causal": (True, "alibi"),
+    "window1k": (True, dict(window_size=(1023, 0))), "window4k": (True, dict(window_size=(4095, 0))),
+}
+
+
+def visible_scores(n, causal, options):
+    """Scores per (batch, head) that a feature's attention computes: n*n, causal n*n/2 (FA2's count), a causal window
+    of w + 1 keys per row sum_i min(i + 1, w + 1) (only the visible ones: the band's TFLOP/s)."""
+    if isinstance(options, dict) and "window_size" in options:
+        w = options["window_size"][0]
+        return sum(min(i + 1, w + 1) for i in range(n))
+    return n * n / (2 if causal else 1)
+
+
+def run_features(args):
+    import torch
+    names = common.csv_list(args.features, allowed=FEATURES, name="--features")
+    modes = common.csv_list(args.modes, allowed=("fwd", "bwd", "fwdbwd"), name="--modes")
+    hdims, seqlens = common.csv_list(args.hdims, int), common.csv_list(args.seqlens, int)
+    if args.dry_run:
+        for d in hdims:
+            for n in seqlens:
+                print(f"{args.dtype} d{d} seqlen {n} batch {max(1, args.tokens // n)} heads {args.hidden // d}: "
+                      f"{', '.join(names)} x {modes}")
+        return 0
+    common.require_gpu("bench.py features")
+    fa2 = common.load(args.build)
+    device, date = common.device_name(), common.now()
+    rows = common.Rows(args.out or common.default_out(device, date, "-features"), "features", device, date)
+    print(common.header("bench.py features", fa2))
+    ok = gate(fa2, hdims, [args.dtype], "bwd" in modes or "fwdbwd" in modes, args)
+    dt = common.dtype(args.dtype)
+    print(f"{'hdim':>4} {'seqlen':>6} {'feature':>15} {'mode':>6} {'fa2 ms':>8} {'TFLOP/s':>8} {'/ base':>7} "
+          f"{'sdpa_flash ms':>13}", flush=True)
+    for d in hdims:
+        for n in seqlens:
+            b, h = max(1, args.tokens // n), max(1, args.hidden // d)
+            q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=dt, requires_grad=True) for _ in range(3))
+            dout = torch.randn_like(q)
+            base = {}
+            for name in names:
+                causal, options = FEATURES[name]
+                kw = (dict(sink=torch.randn(h, device="cuda")) if options == "sink" else
+                      dict(alibi_slopes=2.0 ** (-8.0 * torch.arange(1, h + 1, device="cuda") / h)) if options == "alibi"
+                      else dict(options))
+                fn = lambda q, k, v, causal=causal, kw=kw: fa2.attention(q, k, v, causal=causal, **kw)  # noqa: E731
+                for mode in modes:
+                    ms = common.time_ms(step_fn(fn, mode, q, k, v, dout))
+                    work = 4 * b * h * d * visible_scores(n, causal, options) * common.MODE_FLOPS[mode]
+                    tflops = work / ms / 1e9
+                    if name in ("none", "causal"):
+                        base[causal, mode] = ms
+                    flash = None
+                    if name in ("none", "causal"):
+                        flash = common.time_ms(step_fn(attention_fn("sdpa_flash", causal), mode, q, k, v, dout))
+                        rows.write(impl="sdpa_flash", mode=mode, dtype=args.dtype, hdim=d, causal=causal, seqlen=n,
+                                   batch=b, nheads=h, ms=flash, tflops=work / flash / 1e9, feature=name)
+                    rel = ms / base[causal, mode] if (causal, mode) in base else math.nan
+                    rows.write(impl="fa2", mode=mode, dtype=args.dtype, hdim=d, causal=causal, seqlen=n, batch=b,
+                               nheads=h, ms=ms, tflops=tflops, feature=name, time_vs_base=rel,
+                               options={options: True} if isinstance(options, str) else options)
+                    print(f"{d:>4} {n:>6} {name:>15} {mode:>6} {ms:8.3f} {tflops:8.1f} {rel:7.3f} "
+                          f"{'' if flash is None else f'{flash:13.3f}'}", flush=True)
+            del q, k, v, dout
+            torch.cuda.empty_cache()
+    rows.close()
+    return 0 if ok else 1
 
 
 # ------------------------------------------------------------------------------------------------------ decode
@@ -767,6 +845,21 @@ def parser():
     p.add_argument("--out", default=None, help="results .jsonl (default bench/results/<gpu>-<date>-decode.jsonl)")
     p.add_argument("--no-check", action="store_true", help="skip the tests' reference check before timing")
     p.set_defaults(run=run_decode)
+
+    p = mode("features", "Sliding window, softcap and sinks in fa2.attention against plain and causal attention at the "
+                         "same shapes (SDPA-flash timed at the baselines), fwd and bwd.",
+             "Rows carry 'feature' and time_vs_base = time / the same-causality baseline's. TFLOP/s count only the\n"
+             "scores a feature computes: a window's are the visible band's (compare with causal's at the same seqlen).")
+    p.add_argument("--features", default=",".join(FEATURES), help="comma list of " + ", ".join(FEATURES))
+    p.add_argument("--hdims", default="64,128")
+    p.add_argument("--seqlens", default="4096,16384")
+    p.add_argument("--modes", default="fwd,bwd", help="comma list of fwd, bwd, fwdbwd")
+    p.add_argument("--dtype", default="bf16", choices=common.DTYPE_NAMES)
+    p.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seqlen")
+    p.add_argument("--hidden", type=int, default=2048, help="nheads = hidden // hdim")
+    p.add_argument("--out", default=None, help="results .jsonl (default bench/results/<gpu>-<date>-features.jsonl)")
+    p.add_argument("--no-check", action="store_true", help="skip the tests' reference check before timing")
+    p.set_defaults(run=run_features)
 
     p = mode("ab", "A/B of builds of fa2._C: each build in its own process, checked with the tests' reference and "
                    "rule, then timed (fa2.fwd / fa2.bwd into given buffers) next to SDPA-flash; builds take turns.",

@@ -7,6 +7,8 @@
 d256's backward double-buffers Q/dO on the H100, d96's adds dQ between dV and dK; d256's forward has two tiles).
 Both modes then run every head dim again with a block limited to 99 KB (csrc/CONTRACT.md: set_test_overrides), the
 configurations of consumer GPUs (csrc/fa2/config.h), padded and packed: d256's keeps P and dS in the bytes of V.
+Last, the cases again with a sliding window (blocks skipped on both sides, rows that see no key), softcap, ALiBi and
+sinks; --features runs only those.
 """
 import sys
 
@@ -28,6 +30,7 @@ VARLEN = [  # (lengths_q, lengths_k, nheads, nheads_k, head_dim, causal): empty,
     ([200, 1, 0, 63], [100, 257, 9, 63], 2, 2, 128, False),
 ]
 quick = "--quick" in sys.argv
+features_only = "--features" in sys.argv
 built = fa2.build_info()["bwd_head_dims"]
 
 
@@ -39,16 +42,25 @@ SMALL_SMEM_CASES = [(1, 130, 75, 2, 1, d, d % 64 == 0) for d in (32, 64, 96, 128
 SMALL_SMEM_VARLEN = [([0, 70, 1], [9, 64, 0], 2, 1, d, True) for d in (64, 96, 128, 192, 224, 256)]
 
 
-def run_cases(cases, varlen_cases, dtypes):
+def run_cases(cases, varlen_cases, dtypes, window=None):
+    """window: then also softcap and ALiBi in both directions, and a sink in the forward (causal cases keep right 0)."""
+    def options(h, causal):
+        if window is None:
+            return {}, {}
+        both = dict(window_size=(window[0], 0 if causal else window[1]), softcap=20.0,
+                    alibi_slopes=torch.full((h,), 0.25, device="cuda"))
+        return both, dict(sink=torch.randn(h, device="cuda"))
     for lq, lk, h, hk, d, causal in varlen_cases:
         if not any(x >= d for x in built):
             continue
         q = torch.randn(sum(lq), h, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(sum(lk), hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         sizes = (cu(lq), cu(lk), max(lq), max(lk))
-        out, lse = fa2.fwd_varlen(q, k, v, *sizes, causal=causal)
+        both, fwd_only = options(h, causal)
+        out, lse = fa2.fwd_varlen(q, k, v, *sizes, causal=causal, **both, **fwd_only)
         for det in (False, True):
-            grads = fa2.bwd_varlen(torch.randn_like(out), q, k, v, out, lse, *sizes, causal=causal, deterministic=det)
+            grads = fa2.bwd_varlen(torch.randn_like(out), q, k, v, out, lse, *sizes, causal=causal, deterministic=det,
+                                   **both)
         torch.cuda.synchronize()
         assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
     for b, sq, sk, h, hk, d, causal in cases:
@@ -58,17 +70,21 @@ def run_cases(cases, varlen_cases, dtypes):
         for dtype in dtypes:
             q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
             k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=dtype) for _ in range(2))
-            out, lse = fa2.fwd(q, k, v, causal=causal)
+            both, fwd_only = options(h, causal)
+            out, lse = fa2.fwd(q, k, v, causal=causal, **both, **fwd_only)
             dout = torch.randn_like(out)
             for det in (False, True):
-                grads = fa2.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det)
+                grads = fa2.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det, **both)
             torch.cuda.synchronize()
             assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
 
 
 dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)
-run_cases(CASES, VARLEN[:1] if quick else VARLEN, dtypes)
-fa2._C.set_test_overrides(smem_limit=99 * 1024)  # test-only (csrc/CONTRACT.md)
-run_cases(SMALL_SMEM_CASES, SMALL_SMEM_VARLEN, (torch.bfloat16,))
-fa2._C.set_test_overrides()
+if not features_only:
+    run_cases(CASES, VARLEN[:1] if quick else VARLEN, dtypes)
+    fa2._C.set_test_overrides(smem_limit=99 * 1024)  # test-only (csrc/CONTRACT.md)
+    run_cases(SMALL_SMEM_CASES, SMALL_SMEM_VARLEN, (torch.bfloat16,))
+    fa2._C.set_test_overrides()
+for window in ((40, 0), (30, 70)):
+    run_cases(CASES, VARLEN, (torch.bfloat16,), window=window)
 print("sanitize cases done")

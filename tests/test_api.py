@@ -274,6 +274,95 @@ def test_varlen_launches_pass_offsets_and_totals(recording):
     assert bwd_args["dkv_fp32"] is True and bwd_args["dk_stride"] == (0, 4 * 64, 64)  # per query head, float32
 
 
+# ------------------------------------------------------------------------- window, softcap, sink
+def test_features_reach_the_kernels(recording):
+    q, k, v = _qkv(sq=16, sk=40)
+    sink, slopes = torch.randn(4, dtype=BF16), torch.rand(1, 4, dtype=torch.float64)
+    options = dict(softmax_scale=0.5, window_size=(8, 2), softcap=20.0, alibi_slopes=slopes)
+    out, lse = fa2.fwd(q, k, v, sink=sink, **options)
+    fa2.bwd(torch.randn_like(q), q, k, v, out, lse, **options)
+    (kind, f), (bwd_kind, b) = recording.calls
+    for args in (f, b):
+        assert (args["window_left"], args["window_right"], args["causal"]) == (8, 2, False)
+        assert args["softcap_in"] == _f32(0.5 / 20.0) and args["score_scale"] == 20.0
+        assert args["alibi_slopes"] not in (0, slopes.data_ptr()) and args["alibi_batch_stride"] == 4  # fp32 copy
+    assert f["sink"] != 0 and f["sink"] != sink.data_ptr() and b["sink"] == 0  # an fp32 copy; the bwd needs none
+
+
+@pytest.mark.parametrize("causal, window, expected", [
+    (True, (-1, -1), (-1, 0, True)), (True, (32, 0), (32, 0, True)), (False, (-1, 0), (-1, 0, True)),
+    (False, (100, 100), (-1, -1, False)),  # wider than seqlen_q + seqlen_k: no bound at all
+    (False, (0, 0), (0, 0, True)),
+])
+def test_window_bounds_as_the_kernels_take_them(recording, causal, window, expected):
+    fa2.fwd(*_qkv(sq=16, sk=40), causal=causal, window_size=window)
+    (_, args), = recording.calls
+    assert (args["window_left"], args["window_right"], args["causal"]) == expected
+    assert args["softcap_in"] == 0.0 and args["score_scale"] == _f32(64 ** -0.5) and args["sink"] == 0
+    assert args["alibi_slopes"] == 0 and args["alibi_batch_stride"] == 0
+
+
+BAD_FEATURES = [
+    ("window_size=(1, 2, 3)", dict(window_size=(1, 2, 3)), TypeError, "window_size must be a pair"),
+    ("window_size float", dict(window_size=(1.5, 0)), TypeError, "window_size\\[0\\] \\(left\\) must be an int"),
+    ("window_size < -1", dict(window_size=(-2, 0)), ValueError, "window_size\\[0\\] \\(left\\) must be -1"),
+    ("causal and right > 0", dict(causal=True, window_size=(4, 4)), ValueError, "causal=True .* window_size\\[1\\]"),
+    ("softcap < 0", dict(softcap=-1.0), ValueError, "softcap must be 0 \\(off\\) or a positive"),
+    ("softcap nan", dict(softcap=float("nan")), ValueError, "softcap must be"),
+    ("sink shape", dict(sink=torch.zeros(3)), ValueError, "sink must be a contiguous \\(nheads=4,\\)"),
+    ("sink not a tensor", dict(sink=[0.0] * 4), TypeError, "sink must be a torch.Tensor"),
+    ("alibi_slopes shape", dict(alibi_slopes=torch.ones(2, 4)), ValueError,
+     "alibi_slopes must be a contiguous \\(nheads=4,\\) or \\(batch=1, nheads=4\\)"),
+    ("alibi_slopes not a tensor", dict(alibi_slopes=1.0), TypeError, "alibi_slopes must be a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("change,exc,pattern", [b[1:] for b in BAD_FEATURES], ids=[b[0] for b in BAD_FEATURES])
+@pytest.mark.parametrize("entry", ["fwd", "attention"])
+def test_bad_options_are_refused_before_any_launch(recording, entry, change, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        getattr(fa2, entry)(*_qkv(), **change)
+    assert recording.calls == []
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "packed"])
+def test_sink_gets_a_gradient_through_autograd(recording, varlen):
+    """The eager autograd path saves the sink and returns its gradient in the sink's own dtype; the backward launch
+    carries the forward's options."""
+    q, k, v = (t.requires_grad_() for t in _qkv(sq=16, sk=24, h=4, hk=2))
+    sink = torch.randn(4, dtype=BF16, requires_grad=True)
+    options = dict(causal=True, window_size=(5, 0), softcap=10.0, sink=sink)
+    if varlen:
+        cu = torch.tensor([0, 16], dtype=torch.int32)
+        out = fa2.attention_varlen(q[0], k[0], v[0], cu, torch.tensor([0, 24], dtype=torch.int32), 16, 24, **options)
+    else:
+        out = fa2.attention(q, k, v, **options)
+    out.float().sum().backward()
+    (_, f), (kind, b) = recording.calls
+    assert kind == "bwd" and (b["window_left"], b["window_right"], b["softcap_in"]) == (5, 0, _f32(64 ** -0.5 / 10))
+    assert sink.grad is not None and sink.grad.shape == (4,) and sink.grad.dtype == BF16
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+def test_sink_gradient_is_the_reference_formula():
+    """ops.sink_grad against autograd through fa2.reference (CPU, float64)."""
+    from fa2 import ops
+    from fa2.reference import attention_ref
+    q, k, v = (torch.randn(2, 5, 3, 8, dtype=torch.float64) for _ in range(3))
+    sink = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    out, lse = attention_ref(q, k, v, sink=sink)
+    dout = torch.randn_like(out)
+    expected, = torch.autograd.grad(out, sink, dout)
+    got = ops.sink_grad(dout, out.detach(), lse.detach(), sink.detach())
+    torch.testing.assert_close(got.double(), expected)
+    # Packed: rows past the last sequence hold garbage and count for nothing.
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    out_p, lse_p, dout_p = out.reshape(10, 3, 8), lse.transpose(0, 1).reshape(3, 10), dout.reshape(10, 3, 8)
+    pad = lambda t, dim: torch.cat([t, torch.full_like(t.narrow(dim, 0, 2), 1e4)], dim)  # noqa: E731
+    got = ops.sink_grad(pad(dout_p, 0), pad(out_p, 0), pad(lse_p, 1), sink.detach(), cu)
+    torch.testing.assert_close(got.double(), expected)
+
+
 # ------------------------------------------------------------------------- head dims that are not a multiple of 8
 def test_the_ops_themselves_take_only_multiples_of_8():
     """Zero-padding is the Python layer's (below); a direct op call gets the op's own message."""

@@ -48,8 +48,7 @@ def _varlen_args():
 
 
 UNSUPPORTED = [  # (option, a value that turns it on)
-    ("dropout_p", 0.1), ("window_size", (128, 0)), ("window_size", [-1, 0]), ("softcap", 30.0),
-    ("alibi_slopes", torch.ones(2)), ("return_attn_probs", True),
+    ("dropout_p", 0.1), ("return_attn_probs", True),
 ]
 UNSUPPORTED_CASES = ([(flash_attn_func, _padded_args, *u) for u in UNSUPPORTED] +
                      [(flash_attn_varlen_func, _varlen_args, *u) for u in UNSUPPORTED] +
@@ -70,11 +69,15 @@ def test_arguments_reach_fa2_in_flash_attns_order(monkeypatch):
     monkeypatch.setattr(flash_attn, "attention_varlen", lambda *a, **kw: calls.append((a, kw)) or "out")
     q, k, v = _padded_args()
     # Positionally: dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic.
-    assert flash_attn_func(q, k, v, 0.0, 0.25, True, [-1, -1], 0, None, True) == "out"
-    assert calls[-1] == ((q, k, v), dict(causal=True, softmax_scale=0.25, deterministic=True))
+    # causal wins over the right bound, as in flash-attn (transformers passes (w, w) with causal=True).
+    slopes = torch.ones(2)
+    assert flash_attn_func(q, k, v, 0.0, 0.25, True, [64, 64], 30.0, slopes, True) == "out"
+    assert calls[-1] == ((q, k, v), dict(causal=True, softmax_scale=0.25, deterministic=True, window_size=(64, 0),
+                                         softcap=30.0, alibi_slopes=slopes))
     args = _varlen_args()
     assert flash_attn_varlen_func(*args, 0.0, None, False, (-1, -1), 0.0, None, False, False, None) == "out"
-    assert calls[-1] == (args, dict(causal=False, softmax_scale=None, deterministic=False))
+    assert calls[-1] == (args, dict(causal=False, softmax_scale=None, deterministic=False, window_size=(-1, -1),
+                                    softcap=0.0, alibi_slopes=None))
 
 
 # ------------------------------------------------------------------------------------------------ GPU

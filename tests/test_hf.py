@@ -46,22 +46,21 @@ def calls(monkeypatch):
     record = []
     real = {name: getattr(fa2.hf, name) for name in ("attention", "attention_varlen")}
 
-    def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=False):
+    def attention(q, k, v, *, deterministic=False, **options):
         record.append("attention")
         if q.is_cuda:
-            return real["attention"](q, k, v, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
-        return attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale)[0]
+            return real["attention"](q, k, v, deterministic=deterministic, **options)
+        return attention_ref(q, k, v, **options)[0]
 
-    def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, softmax_scale=None,
-                         deterministic=False):
+    def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, deterministic=False, **options):
         record.append("attention_varlen")
         assert cu_q.dtype == cu_k.dtype == torch.int32 and isinstance(max_q, int) and isinstance(max_k, int)
         if q.is_cuda:
-            return real["attention_varlen"](q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
-                                            softmax_scale=softmax_scale, deterministic=deterministic)
+            return real["attention_varlen"](q, k, v, cu_q, cu_k, max_q, max_k, deterministic=deterministic,
+                                            **options)
         bounds = zip(cu_q.tolist(), cu_q.tolist()[1:], cu_k.tolist(), cu_k.tolist()[1:])
-        return torch.cat([attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal,
-                                        softmax_scale=softmax_scale)[0][0] for q0, q1, k0, k1 in bounds])
+        return torch.cat([attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **options)[0][0]
+                          for q0, q1, k0, k1 in bounds])
 
     monkeypatch.setattr(fa2.hf, "attention", attention)
     monkeypatch.setattr(fa2.hf, "attention_varlen", attention_varlen)
@@ -129,8 +128,7 @@ def test_attention_dropout_in_training_raises(calls):
     model.eval()(torch.randint(0, 256, (1, 8)))  # no dropout in eval: fine
 
 
-UNSUPPORTED_KWARGS = [("sliding_window", 16), ("softcap", 30.0), ("s_aux", torch.zeros(4)),
-                      ("position_bias", torch.zeros(1, 4, 8, 8))]
+UNSUPPORTED_KWARGS = [("position_bias", torch.zeros(1, 4, 8, 8))]
 
 
 @pytest.mark.parametrize("name, value", UNSUPPORTED_KWARGS, ids=[n for n, _ in UNSUPPORTED_KWARGS])
@@ -143,11 +141,35 @@ def test_unsupported_model_option_raises_naming_it(name, value, calls):
     assert calls == []
 
 
+def test_chunked_attention_raises(calls):
+    q, k, v = torch.randn(1, 4, 8, 64), torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64)
+    module = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace(attention_chunk_size=4))
+    with pytest.raises(NotImplementedError, match="attention_chunk_size"):
+        fa2.hf.attention_forward(module, q, k, v, None)
+    assert calls == []
+
+
+def test_model_options_reach_fa2(monkeypatch):
+    """sliding_window, softcap and s_aux as the models pass them, in fa2's terms."""
+    seen = []
+    monkeypatch.setattr(fa2.hf, "attention", lambda q, k, v, **options: seen.append(options) or q)
+    q, k, v = torch.randn(1, 4, 8, 64), torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64)
+    sinks = torch.randn(4)
+    module = types.SimpleNamespace(is_causal=True)
+    fa2.hf.attention_forward(module, q, k, v, None, scaling=0.1, sliding_window=16, softcap=50.0, s_aux=sinks)
+    fa2.hf.attention_forward(module, q, k, v, None, is_causal=False, sliding_window=16, softcap=None)
+    fa2.hf.attention_forward(module, q, k, v, None)
+    assert seen[0] == dict(causal=True, softmax_scale=0.1, deterministic=False, softcap=50.0, sink=sinks,
+                           window_size=(15, 0))
+    assert seen[1]["window_size"] == (15, 15) and seen[1]["softcap"] == 0.0 and seen[1]["sink"] is None
+    assert "window_size" not in seen[2]
+
+
 def test_masks_fa2_cannot_express_raise():
     from transformers.masking_utils import blockwise_overlay, causal_mask_function, or_masks
 
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        fa2.hf.build_mask(batch_size=1, q_length=8, kv_length=8, local_size=4)
+    # A sliding layer's mask is the padding mask alone: its window goes to the attention call.
+    assert fa2.hf.build_mask(batch_size=1, q_length=8, kv_length=8, local_size=4) is None
     with pytest.raises(NotImplementedError, match="overlay"):
         fa2.hf.build_mask(batch_size=1, q_length=8, kv_length=8, use_vmap=True)
     bidirectional_blocks = or_masks(causal_mask_function, blockwise_overlay(torch.tensor([[0, 0, 0, -1]])))
@@ -179,9 +201,10 @@ def run(model, ids, mask, labels, compile=False):
     return out.logits, {name: p.grad for name, p in model.named_parameters()}
 
 
-def compare_to_sdpa(config, ids, mask=None, compile=False):
-    (ref,) = models(config, ["sdpa"], device="cuda")
-    sdpa, ours = models(config, ["sdpa", "fa2"], device="cuda", dtype=torch.bfloat16)
+def compare_to_sdpa(config, ids, mask=None, compile=False, impl="sdpa"):
+    """fa2 against `impl` (eager where the model's options are beyond SDPA: softcap, sinks)."""
+    (ref,) = models(config, [impl], device="cuda")
+    sdpa, ours = models(config, [impl, "fa2"], device="cuda", dtype=torch.bfloat16)
     labels = ids if mask is None else ids.masked_fill(mask == 0, -100)  # padding takes no part in the loss
     keep = slice(None) if mask is None else mask.bool()
     (ref_logits, ref_grads), (sdpa_logits, sdpa_grads) = run(ref, ids, mask, labels), run(sdpa, ids, mask, labels)
@@ -212,3 +235,61 @@ def test_tiny_llama_bf16_with_padding_matches_sdpa(calls, require_kernel):
 def test_tiny_llama_compiles_with_fullgraph(require_kernel):
     require_kernel("bwd", 64, torch.bfloat16)
     compare_to_sdpa(llama_config(2), torch.randint(0, 256, (2, 256), device="cuda"), compile=True)
+
+
+# Models whose attention goes beyond causal: tiny random-weight configs, seqlen past the sliding window.
+def mistral_config():  # sliding window on every layer
+    return transformers.MistralConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=1024, sliding_window=96)
+
+
+def gemma2_config():  # softcapped scores, sliding and full layers alternating
+    return transformers.Gemma2Config(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                     max_position_embeddings=1024, sliding_window=96, query_pre_attn_scalar=64,
+                                     attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+
+
+def gpt_oss_config():  # learned sinks, sliding and full layers alternating
+    # Every token routed to every expert: with top-k < experts, a bf16 rounding difference anywhere upstream flips
+    # some token's expert choice, and the router's gradient (through a discrete top-k) then differs between any two
+    # bf16 models by more than attention's error.
+    return transformers.GptOssConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                     max_position_embeddings=1024, sliding_window=96, num_local_experts=2,
+                                     num_experts_per_tok=2)
+
+
+FEATURE_MODELS = [("mistral", mistral_config), ("gemma2", gemma2_config), ("gpt_oss", gpt_oss_config)]
+
+
+@pytest.mark.parametrize("name, config", FEATURE_MODELS, ids=[n for n, _ in FEATURE_MODELS])
+def test_feature_models_run_fa2_as_eager_does(name, config, calls):
+    """The window, softcap and sinks reach fa2 with the models' meaning (the kernels stood in for by the reference):
+    fp32 logits as eager attention's, with and without padding."""
+    ours, eager = models(config(), ["fa2", "eager"])
+    ids, mask = torch.randint(0, 256, (2, 200)), torch.ones(2, 200, dtype=torch.long)
+    torch.testing.assert_close(ours(ids).logits, eager(ids).logits, rtol=1e-4, atol=1e-4)
+    mask[1, 150:] = 0
+    keep = mask.bool()
+    got, want = ours(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-4)
+    assert calls == ["attention"] * 2 + ["attention_varlen"] * 2
+
+
+@gpu
+@pytest.mark.parametrize("name, config", FEATURE_MODELS, ids=[n for n, _ in FEATURE_MODELS])
+def test_feature_models_bf16_match_eager(name, config, calls, require_kernel):
+    require_kernel("bwd", 64, torch.bfloat16)
+    compare_to_sdpa(config(), torch.randint(0, 256, (2, 300), device="cuda"), impl="eager")
+    assert calls == ["attention"] * 2
+
+
+@gpu
+def test_sliding_window_model_with_padding_matches_eager(calls, require_kernel):
+    require_kernel("bwd", 64, torch.bfloat16)
+    mask = torch.ones(3, 300, dtype=torch.long, device="cuda")
+    mask[1, 200:], mask[2, 17:] = 0, 0
+    compare_to_sdpa(gpt_oss_config(), torch.randint(0, 256, (3, 300), device="cuda"), mask, impl="eager")
+    assert calls == ["attention_varlen"] * 2

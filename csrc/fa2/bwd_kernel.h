@@ -45,9 +45,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   const int col_offset = n_block * kBlockN;
   const SeqInfo seq(p, batch, head);
   if (col_offset >= seq.seqlen_k) return;  // varlen: the grid is sized for the longest sequence
-  // Query blocks that see at least one key of this block (causal: rows i >= col_offset - diagonal).
-  const int m_block_begin = p.causal ? max(0, col_offset - (seq.seqlen_k - seq.seqlen_q)) / kBlockM : 0;
-  const int m_block_end = ceil_div(seq.seqlen_q, kBlockM);
+  // Query blocks that see at least one key of this block (mask.h).
+  const int2 m_blocks = query_blocks<kBlockM, kBlockN>(p, n_block, seq.seqlen_q, seq.seqlen_k);
+  const int m_block_begin = m_blocks.x, m_block_end = m_blocks.y;
+  const float alibi = alibi_slope(p, batch, head);
 
   Tensor gQ = local_tile(seq.q_tensor<kHeadDim, const Element>(p.q, p.q_stride, batch, head), BlockQ{},
                          make_coord(_, 0));  // (kBlockM, kHeadDim, m_blocks)
@@ -155,7 +156,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
       cp_async_fence();
     }
 
-    bwd_p_ds_block<Traits>(p, sQ, sdO, sK, sV, sP, sdS, lse, d_sum, row_offset, col_offset, seq.seqlen_q,
+    bwd_p_ds_block<Traits>(p, sQ, sdO, sK, sV, sP, sdS, lse, d_sum, alibi, row_offset, col_offset, seq.seqlen_q,
                            seq.seqlen_k);
     __syncthreads();  // sP and sdS complete: every warp reads all of them below
 
@@ -234,7 +235,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const __gr
   const int row_offset = m_block * kBlockM;
   const SeqInfo seq(p, batch, head);
   if (row_offset >= seq.seqlen_q) return;
-  const int n_block_end = key_block_end<kBlockM, kBlockN>(m_block, seq.seqlen_q, seq.seqlen_k, p.causal);
+  const KeyBlocks n_blocks = key_blocks<kBlockM, kBlockN>(p, m_block, seq.seqlen_q, seq.seqlen_k);
+  const float alibi = alibi_slope(p, batch, head);
 
   Tensor gQ = local_tile(seq.q_tensor<kHeadDim, const Element>(p.q, p.q_stride, batch, head), BlockQ{},
                          make_coord(m_block, 0));
@@ -271,7 +273,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const __gr
   typename Traits::TiledMmadQ mma_dq;
   Tensor acc_dq = partition_fragment_C(mma_dq, BlockQ{});
   clear(acc_dq);
-  for (int n_block = 0; n_block < n_block_end; ++n_block) {
+  for (int n_block = n_blocks.begin; n_block < n_blocks.end; ++n_block) {
     const int col_offset = n_block * kBlockN;
     __syncthreads();  // every warp is done reading the previous sK / sV / sdS
     copy_tile<true>(gmem_copy, tKgK(_, _, _, n_block), tKsK, tKcK, seq.seqlen_k - col_offset, p.head_dim);
@@ -279,7 +281,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const __gr
     cp_async_fence();
     cp_async_wait<0>();
     __syncthreads();
-    bwd_p_ds_block<Traits>(p, sQ, sdO, sK, sV, sP, sdS, p.lse + seq.stats_row, p.d_sum + seq.stats_row,
+    bwd_p_ds_block<Traits>(p, sQ, sdO, sK, sV, sP, sdS, p.lse + seq.stats_row, p.d_sum + seq.stats_row, alibi,
                            row_offset, col_offset, seq.seqlen_q, seq.seqlen_k);
     __syncthreads();
     bwd_dq_tile<Traits>(acc_dq, sdS, sKt);

@@ -21,14 +21,15 @@ __device__ __forceinline__ auto fragment_shape() {
                      make_layout(Shape<Int<kRows>, Int<kCols>>{}, GenRowMajor{}));
 }
 
-// One (query block, key block) tile, shared by both kernels: S = Q K^T, P = exp2(S*scale_log2 - lse*log2e)
-// (the forward's probabilities, recomputed), dP = dO V^T, dS = P * (dP - D); P and dS are written to
-// shared memory. The caller synchronises before reading sP / sdS.
+// One (query block, key block) tile, shared by both kernels: S = Q K^T (softcap: tanh(Q K^T * softcap_in)),
+// P = exp2(S*scale_log2 - lse*log2e) (the forward's probabilities, recomputed), dP = dO V^T, dS = P * (dP - D)
+// (softcap: times tanh's derivative); P and dS are written to shared memory. The caller synchronises before
+// reading sP / sdS.
 template <typename Traits, typename SmemQ, typename SmemKV, typename SmemPdS>
 __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, SmemQ const& sdO, SmemKV const& sK,
                                          SmemKV const& sV, SmemPdS& sP, SmemPdS& sdS, const float* lse,
-                                         const float* d_sum, int row_offset, int col_offset, int seqlen_q,
-                                         int seqlen_k) {
+                                         const float* d_sum, float alibi, int row_offset, int col_offset,
+                                         int seqlen_q, int seqlen_k) {
   using Element = typename Traits::Element;
   using BlockS = Shape<Int<Traits::kBlockMSdP>, Int<Traits::kBlockN>>;
   const int tid = threadIdx.x;
@@ -59,8 +60,10 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
   clear(acc_s);
   gemm_ss(mma, acc_s, tSrQ, tSrK, thr_a.partition_S(sQ), thr_b.partition_S(sK), copy_a, copy_b, thr_a, thr_b);
   const int diagonal = seqlen_k - seqlen_q;
-  if (col_offset + Traits::kBlockN > seqlen_k || (p.causal && col_offset + Traits::kBlockN - 1 > row_offset + diagonal)) {
-    apply_mask(acc_s, tScS, row_offset, col_offset, seqlen_q, seqlen_k, p.causal);
+  if (p.softcap_in > 0.f) apply_softcap(acc_s, p.softcap_in);
+  if (alibi != 0.f) apply_alibi(acc_s, tScS, alibi, row_offset, col_offset, diagonal);
+  if (tile_needs_mask(p, row_offset, Traits::kBlockMSdP, col_offset, Traits::kBlockN, seqlen_q, seqlen_k)) {
+    apply_mask(acc_s, tScS, p, row_offset, col_offset, seqlen_q, seqlen_k);
   }
   Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
   CUTE_UNROLL
@@ -78,6 +81,23 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(dp); ++ni) dp(mi, ni) = s(mi, ni) * (dp(mi, ni) - d_row[mi]);
   }
+  if (p.softcap_in > 0.f) {
+    // d(softcap * tanh(x * softcap_in)) / dx = softmax_scale * (1 - tanh^2); softmax_scale is applied with the
+    // dQ / dK epilogues. tanh is recovered from P rather than kept from above: t = (log2 P + lse*log2e) /
+    // scale_log2 (less the ALiBi bias) costs one MUFU op per score and no registers across the dP GEMM. P = 0
+    // (masked, or too small to matter) has dS = 0 whatever t is.
+    const float inv_scale_log2 = 1.f / p.scale_log2;
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      const int row = row_offset + get<0>(c(mi, 0));
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(dp); ++ni) {
+        const float bias = alibi_bias(alibi, row, col_offset + get<1>(c(0, ni)), diagonal);
+        const float t = (__log2f(s(mi, ni)) + lse_log2[mi]) * inv_scale_log2 - bias;
+        dp(mi, ni) = s(mi, ni) > 0.f ? dp(mi, ni) * (1.f - t * t) : 0.f;
+      }
+    }
+  }
 
   auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomOut{}, mma);
   auto thr_pds = copy_pds.get_thread_slice(tid);
@@ -91,7 +111,7 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
 template <typename Traits, typename SmemQ, typename SmemKV, typename SmemPdS>
 __device__ __forceinline__ void bwd_p_ds_block(BwdParams const& p, SmemQ const& sQ, SmemQ const& sdO,
                                                SmemKV const& sK, SmemKV const& sV, SmemPdS& sP, SmemPdS& sdS,
-                                               const float* lse, const float* d_sum, int row_offset,
+                                               const float* lse, const float* d_sum, float alibi, int row_offset,
                                                int col_offset, int seqlen_q, int seqlen_k) {
   constexpr int kSlab = Traits::kBlockMSdP;
   using SlabQ = Shape<Int<kSlab>, Int<Traits::kHeadDim>>;
@@ -101,7 +121,7 @@ __device__ __forceinline__ void bwd_p_ds_block(BwdParams const& p, SmemQ const& 
     Tensor sP_h = local_tile(sP, SlabS{}, make_coord(h, 0));
     Tensor sdS_h = local_tile(sdS, SlabS{}, make_coord(h, 0));
     bwd_p_ds<Traits>(p, local_tile(sQ, SlabQ{}, make_coord(h, 0)), local_tile(sdO, SlabQ{}, make_coord(h, 0)), sK,
-                     sV, sP_h, sdS_h, lse, d_sum, row_offset + h * kSlab, col_offset, seqlen_q, seqlen_k);
+                     sV, sP_h, sdS_h, lse, d_sum, alibi, row_offset + h * kSlab, col_offset, seqlen_q, seqlen_k);
   }
 }
 

@@ -38,7 +38,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   const int row_offset = m_block * kBlockM;
   const SeqInfo seq(p, batch, head);
   if (row_offset >= seq.seqlen_q) return;  // varlen: the grid is sized for the longest sequence
-  const int n_block_end = key_block_end<kBlockM, kBlockN>(m_block, seq.seqlen_q, seq.seqlen_k, p.causal);
+  const KeyBlocks blocks = key_blocks<kBlockM, kBlockN>(p, m_block, seq.seqlen_q, seq.seqlen_k);
+  const int n_block_begin = blocks.begin, n_block_end = blocks.end;
 
   // Full tensors of this (sequence, head), then this block's tiles.
   Tensor mQ = seq.q_tensor<kHeadDim, const Element>(p.q, p.q_stride, batch, head);
@@ -94,13 +95,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
 
   // One key block's two GEMMs and the softmax between them; sK/sV hold its K and V at `kv_offset`.
   // P goes to the second MMA as its A operand, straight from registers.
-  const int n_masked_begin = n_block_end - masked_key_blocks<kBlockM, kBlockN>(p.causal);
+  const float alibi = alibi_slope(p, batch, head);
   auto s_gemm = [&](auto& acc_s, int n_block, int kv_offset) {
     clear(acc_s);
     gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, make_tensor(tSsK.data() + kv_offset, tSsK.layout()), smem_copy_q,
             smem_copy_k, smem_thr_q, smem_thr_k);
-    if (n_block >= n_masked_begin) {
-      apply_mask(acc_s, tScS, row_offset, n_block * kBlockN, seq.seqlen_q, seq.seqlen_k, p.causal);
+    if (p.softcap_in > 0.f) apply_softcap(acc_s, p.softcap_in);
+    if (alibi != 0.f) apply_alibi(acc_s, tScS, alibi, row_offset, n_block * kBlockN, seq.seqlen_k - seq.seqlen_q);
+    if (n_block >= blocks.right_masked_begin || n_block < blocks.left_masked_end) {
+      apply_mask(acc_s, tScS, p, row_offset, n_block * kBlockN, seq.seqlen_q, seq.seqlen_k);
     }
   };
   auto softmax_pv = [&](auto& acc_s, int kv_offset) {
@@ -110,7 +113,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, make_tensor(tOsVt.data() + kv_offset, tOsVt.layout()), smem_copy_v,
             smem_thr_v);
   };
-  // K and V are read block by block from n_block_end - 1 down to 0. Each keeps a running source tile that a
+  // K and V are read block by block from n_block_end - 1 down to n_block_begin. Each keeps a running source tile that a
   // load reads and then steps one block down: one 64-bit add per block instead of a 64-bit multiply per
   // chunk row, and fewer registers for addresses (docs/tuning.md#running-source-tiles).
   Tensor tKgKn = tKgK(_, _, _, max(n_block_end - 1, 0));
@@ -125,9 +128,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   constexpr std::true_type kCut{};      // the block seqlen_k may cut
   constexpr std::false_type kWhole{};   // any other block
 
-  // Key blocks from the last visited one down to 0: the first few are the only ones that can need a mask,
-  // and the first is the only one that seqlen_k can cut.
-  if (n_block_end > 0) {
+  // Key blocks from the last visited one down to the first: the first few and the last few are the only ones that
+  // can need a mask, and the first is the only one that seqlen_k can cut.
+  if (n_block_end > n_block_begin) {
     copy_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, seq.seqlen_q - row_offset, p.head_dim);
     const int last_rows = seq.seqlen_k - (n_block_end - 1) * kBlockN;
     load_next(kCut, tKgKn, k_block_step, tKsK, 0, last_rows);
@@ -143,7 +146,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
       Tensor acc_s = partition_fragment_C(tiled_mma, BlockS{});
       cp_async_wait<0>();
       __syncthreads();  // K[n], V[n] landed; every warp is done with block n+1, whose buffers are refilled now
-      if (n_block > 0) {
+      if (n_block > n_block_begin) {
         load_next(kWhole, tKgKn, k_block_step, tKsK, stage ^ 1, kBlockN);
         load_next(kWhole, tVgVn, v_block_step, tVsV, stage ^ 1, kBlockN);
         cp_async_fence();
@@ -152,18 +155,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
       softmax_pv(acc_s, stage * kKVElems);
     };
     if constexpr (Traits::kUnrollStages) {
-      for (int n_block = n_block_end - 1; n_block >= 0; n_block -= 2) {
+      for (int n_block = n_block_end - 1; n_block >= n_block_begin; n_block -= 2) {
         block_in_stage(n_block, Int<0>{});
-        if (n_block == 0) break;
+        if (n_block == n_block_begin) break;
         block_in_stage(n_block - 1, Int<1>{});
       }
     } else {
-      for (int n_block = n_block_end - 1; n_block >= 0; --n_block) {
+      for (int n_block = n_block_end - 1; n_block >= n_block_begin; --n_block) {
         block_in_stage(n_block, (n_block_end - 1 - n_block) & 1);
       }
     }
   } else {
-    for (int n_block = n_block_end - 1; n_block >= 0; --n_block) {
+    for (int n_block = n_block_end - 1; n_block >= n_block_begin; --n_block) {
       // One buffer each (FA2): V[n] streams in while S = Q K[n]^T runs; K[n-1] streams in while softmax
       // and O += P V[n] run. Every refill waits behind a barrier that proves all warps are done reading it.
       Tensor acc_s = partition_fragment_C(tiled_mma, BlockS{});
@@ -174,7 +177,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
       s_gemm(acc_s, n_block, 0);
       cp_async_wait<0>();
       __syncthreads();  // V[n] landed; all warps finished S = Q K[n]^T, so sK may be refilled
-      if (n_block > 0) {
+      if (n_block > n_block_begin) {
         load_next(kWhole, tKgKn, k_block_step, tKsK, 0, kBlockN);
         cp_async_fence();
       }
@@ -184,7 +187,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
 
   // Epilogue: normalise, write lse, stage O through shared memory for 16-byte coalesced stores.
   float lse[kRowsPerThread];
-  softmax.finalize(acc_o, p.softmax_scale, lse);
+  softmax.finalize(acc_o, p.score_scale, p.sink == nullptr ? nullptr : p.sink + head, lse);
   {
     Tensor c = make_tensor(tOcO.data(), rowcol_layout(tOcO.layout()));
     float* lse_row = p.lse + seq.stats_row + row_offset;

@@ -1,50 +1,134 @@
-// Causal (bottom-right aligned) and sequence-end masking, and which key blocks a query block visits.
-// Query row i sees key j iff j < seqlen_k and (not causal or j <= i + seqlen_k - seqlen_q).
+// The visible band of keys and sequence-end masking, which key blocks a query block visits and which query
+// blocks a key block is seen by; softcapping and ALiBi biases of raw scores.
+// Query row i sees key j iff j < seqlen_k and i + diagonal - left <= j <= i + diagonal + right, with
+// diagonal = seqlen_k - seqlen_q and left/right = window_left/window_right, -1 for an unbounded side
+// (causal: right = 0).
 #pragma once
 
+#include <climits>
 #include <cmath>
 #include <cute/tensor.hpp>
 
+#include "fa2/params.h"
 #include "fa2/utils.h"
 
 namespace fa2 {
 using namespace cute;
 
-// Number of key blocks query block m_block visits: blocks [0, n_block_end). Blocks entirely above the
-// causal diagonal are never loaded. <= 0 means no row of the block sees any key.
+// The key blocks [begin, end) that a query block's rows can see, and those of them that may need a mask:
+// blocks below left_masked_end are crossed by the band's left edge, blocks from right_masked_begin on by
+// its right edge or by seqlen_k. Blocks outside [begin, end) are never loaded. end <= begin: no row of the
+// block sees any key.
+struct KeyBlocks {
+  int begin, end, left_masked_end, right_masked_begin;
+};
+
 template <int kBlockM, int kBlockN>
-__device__ __forceinline__ int key_block_end(int m_block, int seqlen_q, int seqlen_k, bool causal) {
-  int end = ceil_div(seqlen_k, kBlockN);
-  if (causal) {
-    // Last key the block's last row sees, plus one.
-    const int last_key_end = (m_block + 1) * kBlockM + seqlen_k - seqlen_q;
-    end = min(end, last_key_end <= 0 ? 0 : ceil_div(last_key_end, kBlockN));
+__device__ __forceinline__ KeyBlocks key_blocks(FwdParams const& p, int m_block, int seqlen_q, int seqlen_k) {
+  const int diagonal = seqlen_k - seqlen_q;
+  const int first_row = m_block * kBlockM, last_row = first_row + kBlockM - 1;
+  KeyBlocks b;
+  b.end = ceil_div(seqlen_k, kBlockN);
+  b.right_masked_begin = b.end - 1;
+  if (p.window_right >= 0) {
+    const int last_key_end = last_row + diagonal + p.window_right + 1;  // last row's last visible key, plus one
+    b.end = min(b.end, last_key_end <= 0 ? 0 : ceil_div(last_key_end, kBlockN));
+    // Blocks past the first row's last visible key hold a masked element.
+    b.right_masked_begin = min(b.end - 1, max(first_row + diagonal + p.window_right + 1, 0) / kBlockN);
   }
-  return end;
+  b.begin = 0, b.left_masked_end = 0;
+  if (p.window_left >= 0) {
+    b.begin = max(first_row + diagonal - p.window_left, 0) / kBlockN;  // first row's first visible key
+    // Blocks before the last row's first visible key hold a masked element.
+    b.left_masked_end = ceil_div(max(last_row + diagonal - p.window_left, 0), kBlockN);
+  }
+  return b;
 }
 
-// Key blocks (counted from the last visited one downwards) that may hold a masked element: the
-// partial block at seqlen_k, and for causal every block the diagonal crosses.
+// The query blocks [begin, end) that see at least one key of key block n_block.
 template <int kBlockM, int kBlockN>
-__device__ __forceinline__ constexpr int masked_key_blocks(bool causal) {
-  return causal ? ceil_div(kBlockM, kBlockN) + 1 : 1;
+__device__ __forceinline__ int2 query_blocks(FwdParams const& p, int n_block, int seqlen_q, int seqlen_k) {
+  const int diagonal = seqlen_k - seqlen_q;
+  const int first_key = n_block * kBlockN, last_key = first_key + kBlockN - 1;
+  int begin = 0, end = ceil_div(seqlen_q, kBlockM);
+  // Row i sees key j only if j <= i + diagonal + right, i.e. i >= j - diagonal - right.
+  if (p.window_right >= 0) begin = max(first_key - diagonal - p.window_right, 0) / kBlockM;
+  // ... and only if j >= i + diagonal - left, i.e. i <= j - diagonal + left.
+  if (p.window_left >= 0) {
+    const int last_row = last_key - diagonal + p.window_left;
+    end = min(end, last_row < 0 ? 0 : last_row / kBlockM + 1);
+  }
+  return make_int2(begin, end);
 }
 
-// Set masked scores to -inf. `coord` is the MMA partition of an identity tensor over the score tile,
-// so coord(i) is the (row, col) within the tile of acc_s(i).
+// Whether the (rows, cols) tile at (row_offset, col_offset) may hold an element outside the band or past seqlen_k.
+__device__ __forceinline__ bool tile_needs_mask(FwdParams const& p, int row_offset, int rows, int col_offset,
+                                                int cols, int seqlen_q, int seqlen_k) {
+  const int diagonal = seqlen_k - seqlen_q;
+  return col_offset + cols > seqlen_k ||
+         (p.window_right >= 0 && col_offset + cols - 1 > row_offset + diagonal + p.window_right) ||
+         (p.window_left >= 0 && col_offset < row_offset + rows - 1 + diagonal - p.window_left);
+}
+
+// Set scores outside the band or past seqlen_k to -inf. `coord` is the MMA partition of an identity tensor
+// over the score tile, so coord(i) is the (row, col) within the tile of acc_s(i).
 template <typename TensorS, typename CoordS>
-__device__ __forceinline__ void apply_mask(TensorS& acc_s, CoordS const& coord, int row_offset, int col_offset,
-                                           int seqlen_q, int seqlen_k, bool causal) {
+__device__ __forceinline__ void apply_mask(TensorS& acc_s, CoordS const& coord, FwdParams const& p, int row_offset,
+                                           int col_offset, int seqlen_q, int seqlen_k) {
   Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
   Tensor c = make_tensor(coord.data(), rowcol_layout(coord.layout()));
   const int diagonal = seqlen_k - seqlen_q;
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(s); ++mi) {
     const int row = row_offset + get<0>(c(mi, 0));
-    const int col_end = causal ? min(seqlen_k, row + diagonal + 1) : seqlen_k;
+    const int col_begin = p.window_left >= 0 ? row + diagonal - p.window_left : INT_MIN;
+    const int col_end = p.window_right >= 0 ? min(seqlen_k, row + diagonal + p.window_right + 1) : seqlen_k;
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(s); ++ni) {
-      if (col_offset + get<1>(c(0, ni)) >= col_end) s(mi, ni) = -INFINITY;
+      const int col = col_offset + get<1>(c(0, ni));
+      if (col >= col_end || col < col_begin) s(mi, ni) = -INFINITY;
+    }
+  }
+}
+
+// tanh on the MUFU unit (sm75+), as flash-attn computes softcap: one instruction, relative error about 2^-11,
+// below the rounding of the fp16/bf16 probabilities it feeds.
+__device__ __forceinline__ float tanh_fast(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Softcap, before any mask (tanh would turn -inf into -1): raw scores s become tanh(s * softcap_in); the
+// softmax scales them by score_scale = softcap.
+template <typename TensorS>
+__device__ __forceinline__ void apply_softcap(TensorS& acc_s, float softcap_in) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_s); ++i) acc_s(i) = tanh_fast(acc_s(i) * softcap_in);
+}
+
+// ALiBi's slope for (batch, head), negated and in the kernels' score units (divided by score_scale); 0 without ALiBi,
+// which adds nothing.
+__device__ __forceinline__ float alibi_slope(FwdParams const& p, int batch, int head) {
+  return p.alibi_slopes == nullptr ? 0.f : -p.alibi_slopes[batch * p.alibi_batch_stride + head] / p.score_scale;
+}
+
+// The ALiBi bias of score (row, col), in score units: slope * |row + diagonal - col|.
+__device__ __forceinline__ float alibi_bias(float slope, int row, int col, int diagonal) {
+  return slope * float(abs(row + diagonal - col));
+}
+
+// Add the ALiBi bias to every score of the tile (after softcap, which it does not go through).
+template <typename TensorS, typename CoordS>
+__device__ __forceinline__ void apply_alibi(TensorS& acc_s, CoordS const& coord, float slope, int row_offset,
+                                            int col_offset, int diagonal) {
+  Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
+  Tensor c = make_tensor(coord.data(), rowcol_layout(coord.layout()));
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(s); ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(s); ++ni) {
+      s(mi, ni) += alibi_bias(slope, row_offset + get<0>(c(mi, 0)), col_offset + get<1>(c(0, ni)), diagonal);
     }
   }
 }

@@ -23,9 +23,21 @@ struct FwdParams {
   int nheads = 0, nheads_k = 0;  // nheads % nheads_k == 0 (GQA/MQA)
   int head_dim = 0;              // actual head dim; the kernel is instantiated for a rounded-up size
 
-  float softmax_scale = 0.f;
-  float scale_log2 = 0.f;  // softmax_scale * log2(e): softmax runs in base 2 (exp2 is one MUFU op)
-  bool causal = false;     // bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
+  float softmax_scale = 0.f;  // scales q k^T, and dQ / dK in the backward
+  // The kernels' scores are q k^T, or with softcap tanh(q k^T * softcap_in); the softmax scales them by
+  // score_scale (softmax_scale, or softcap): base 2 with scale_log2 = score_scale * log2(e) (exp2 is one MUFU op).
+  float score_scale = 0.f;
+  float scale_log2 = 0.f;
+  float softcap_in = 0.f;  // > 0: softcap on, = softmax_scale / softcap
+  // Query i sees key j iff i + diagonal - window_left <= j <= i + diagonal + window_right, diagonal =
+  // seqlen_k - seqlen_q (bottom-right aligned); -1 leaves that side unbounded. Causal is window_right = 0.
+  int window_left = -1, window_right = -1;
+  bool causal = false;  // window_right == 0: the grid goes heaviest block first (schedule.h)
+  const float* sink = nullptr;  // (nheads,) fp32 logits that join each row's softmax denominator; nullptr: none
+  // ALiBi: -slope * |i + diagonal - j| is added to the scaled score. fp32 slopes, (batch, nheads) with
+  // alibi_batch_stride = nheads, or (nheads,) with stride 0; nullptr: none.
+  const float* alibi_slopes = nullptr;
+  int alibi_batch_stride = 0;
   int head_group = 0;      // causal: heads whose blocks are dispatched heaviest first together; 0 = chosen
                            // at launch (launch.h); a test may force another divisor of nheads
   int smem_limit = 0;      // shared memory a block may use, bytes; 0 = the device's opt-in maximum. A test

@@ -95,16 +95,26 @@ struct OnlineSoftmax {
     }
   }
 
-  // O = acc / l and lse = m*scale + log(l). Rows that saw no key (l == 0) give O = 0, lse = -inf.
+  // O = acc / l and lse = m*scale + log(l), scale being the factor the scores are scaled by. A sink logit
+  // (nullptr: none) joins l as exp(sink) with no value; the row's max is raised to it first, so exp never
+  // overflows. Rows with l == 0 (no key and no sink) give O = 0, lse = -inf.
   template <typename TensorO>
-  __device__ __forceinline__ void finalize(TensorO& acc_o, float softmax_scale, float (&lse)[kNRows]) {
+  __device__ __forceinline__ void finalize(TensorO& acc_o, float scale, const float* sink, float (&lse)[kNRows]) {
     Tensor o = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
-      const float l = quad_sum(row_sum[mi]);
+      float l = quad_sum(row_sum[mi]);
+      float m = row_max[mi] == -INFINITY ? -INFINITY : row_max[mi] * scale;  // natural-log units
+      float o_factor = 1.f;  // what acc_o's rows are multiplied by before 1 / l
+      if (sink != nullptr) {
+        const float m_new = fmaxf(m, *sink);
+        o_factor = m == -INFINITY ? 0.f : __expf(m - m_new);
+        l = l * o_factor + __expf(*sink - m_new);
+        m = m_new;
+      }
       const bool empty = l == 0.f || l != l;
-      const float inv_l = empty ? 1.f : 1.f / l;
-      lse[mi] = empty ? -INFINITY : row_max[mi] * softmax_scale + __logf(l);
+      const float inv_l = empty ? 1.f : o_factor / l;
+      lse[mi] = empty ? -INFINITY : m + __logf(l);
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(o); ++ni) o(mi, ni) *= inv_l;
     }

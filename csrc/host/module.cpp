@@ -110,6 +110,12 @@ PyObject* take_recorded_launches(PyObject*, PyObject*) {
     set_item(d, "nheads_k", PyLong_FromLong(p.nheads_k)), set_item(d, "head_dim", PyLong_FromLong(p.head_dim));
     set_item(d, "softmax_scale", PyFloat_FromDouble(p.softmax_scale));
     set_item(d, "causal", PyBool_FromLong(p.causal));
+    set_item(d, "window_left", PyLong_FromLong(p.window_left));
+    set_item(d, "window_right", PyLong_FromLong(p.window_right));
+    set_item(d, "score_scale", PyFloat_FromDouble(p.score_scale));
+    set_item(d, "softcap_in", PyFloat_FromDouble(p.softcap_in)), set_item(d, "sink", ptr(p.sink));
+    set_item(d, "alibi_slopes", ptr(p.alibi_slopes));
+    set_item(d, "alibi_batch_stride", PyLong_FromLong(p.alibi_batch_stride));
     set_item(d, "cu_seqlens_q", ptr(p.cu_seqlens_q)), set_item(d, "cu_seqlens_k", ptr(p.cu_seqlens_k));
     set_item(d, "total_q", PyLong_FromLong(p.total_q)), set_item(d, "total_k", PyLong_FromLong(p.total_k));
     if (l.kind == "bwd") {

@@ -193,6 +193,56 @@ void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, std::optional<
   }
 }
 
+// The options beyond plain attention (flash-attn's semantics, fa2.reference): the band of visible keys, softcap,
+// ALiBi slopes, and (forward only) the per-head sink logits.
+struct Features {
+  int64_t window_left = -1, window_right = -1;
+  double softcap = 0.0;
+  const Tensor* alibi_slopes = nullptr;
+  const Tensor* sink = nullptr;
+};
+
+// batch: the number of sequences (padded batch size, or cu_seqlens' length - 1).
+void check_features(const Features& f, bool causal, const Tensor& q, int64_t batch) {
+  for (auto [name, w] : {std::pair<const char*, int64_t>{"window_size[0] (left)", f.window_left},
+                         {"window_size[1] (right)", f.window_right}}) {
+    if (w < -1 || w > 2147483647) {
+      value_error(std::string(name) + " must be -1 (unbounded) or a number of keys in [0, 2**31 - 1], got " +
+                  std::to_string(w));
+    }
+  }
+  if (causal && f.window_right > 0) {
+    value_error("causal=True sees no key right of the diagonal, but window_size[1] (right) = " +
+                std::to_string(f.window_right) + ": pass causal=False with window_size=(left, right), or right = 0");
+  }
+  if (!(std::isfinite(f.softcap) && f.softcap >= 0.0)) {
+    value_error("softcap must be 0 (off) or a positive finite number, got " + str(f.softcap));
+  }
+  if (f.alibi_slopes != nullptr) {
+    const Tensor& a = *f.alibi_slopes;
+    if (a.scalar_type() != ScalarType::Float) {
+      type_error("alibi_slopes must be float32, got " + str(a.scalar_type()) + ": pass alibi_slopes.float()");
+    }
+    const int64_t nheads = q.size(-2);
+    const bool per_head = a.dim() == 1 && a.size(0) == nheads;
+    const bool per_batch = a.dim() == 2 && a.size(0) == batch && a.size(1) == nheads;
+    if (!(per_head || per_batch) || !a.is_contiguous()) {
+      value_error("alibi_slopes must be a contiguous (nheads=" + std::to_string(nheads) + ",) or (batch=" +
+                  std::to_string(batch) + ", nheads=" + std::to_string(nheads) + ") tensor, got shape " +
+                  str(a.sizes()) + " and strides " + str(a.strides()));
+    }
+  }
+  if (f.sink == nullptr) return;
+  const Tensor& sink = *f.sink;
+  if (sink.scalar_type() != ScalarType::Float) {
+    type_error("sink must be float32, got " + str(sink.scalar_type()) + ": pass sink.float()");
+  }
+  if (sink.dim() != 1 || sink.size(0) != q.size(-2) || !sink.is_contiguous()) {
+    value_error("sink must be a contiguous (nheads=" + std::to_string(q.size(-2)) + ",) tensor, one logit per query "
+                "head, got shape " + str(sink.sizes()) + " and strides " + str(sink.strides()));
+  }
+}
+
 // What the backward takes beyond q, k, v (padded and varlen alike): dout, the forward's out and lse, buffers.
 void check_bwd_tensors(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                        const Tensor& lse, const std::optional<Tensor>& dq, const std::optional<Tensor>& dk,
@@ -382,8 +432,8 @@ Sizes varlen_sizes(const Tensor& q, const Tensor& k, const Tensor& cu_q, int64_t
 }
 
 void fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                 const Sizes& s, std::optional<double> softmax_scale, bool causal, const Tensor* cu_q,
-                 const Tensor* cu_k) {
+                 const Sizes& s, std::optional<double> softmax_scale, bool causal, const Features& f,
+                 const Tensor* cu_q, const Tensor* cu_k) {
   p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.o = out.data_ptr();
   p.lse = static_cast<float*>(lse.data_ptr());
   p.q_stride = strides_of(q), p.k_stride = strides_of(k), p.v_stride = strides_of(v), p.o_stride = strides_of(out);
@@ -391,8 +441,19 @@ void fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v
   p.nheads = int(q.size(-2)), p.nheads_k = int(k.size(-2)), p.head_dim = int(q.size(-1));
   const double scale = softmax_scale.value_or(1.0 / std::sqrt(double(p.head_dim)));
   p.softmax_scale = float(scale);
-  p.scale_log2 = float(scale * M_LOG2E);
-  p.causal = causal;
+  // Softcap: the kernels' scores are tanh(q k^T * scale / softcap), which the softmax scales by softcap.
+  const double score_scale = f.softcap > 0.0 ? f.softcap : scale;
+  p.score_scale = float(score_scale);
+  p.scale_log2 = float(score_scale * M_LOG2E);
+  p.softcap_in = f.softcap > 0.0 ? float(scale / f.softcap) : 0.f;
+  // A bound at least as wide as the sequences is no bound: -1 skips its block arithmetic and masks.
+  auto bound = [&](int64_t w) { return w < 0 || w >= int64_t(s.seqlen_q) + s.seqlen_k ? -1 : int(w); };
+  p.window_left = bound(f.window_left);
+  p.window_right = causal ? 0 : bound(f.window_right);
+  p.causal = p.window_right == 0;
+  p.sink = f.sink ? static_cast<const float*>(f.sink->data_ptr()) : nullptr;
+  p.alibi_slopes = f.alibi_slopes ? static_cast<const float*>(f.alibi_slopes->data_ptr()) : nullptr;
+  p.alibi_batch_stride = f.alibi_slopes && f.alibi_slopes->dim() == 2 ? p.nheads : 0;
   p.cu_seqlens_q = cu_q ? static_cast<const int*>(cu_q->data_ptr()) : nullptr;
   p.cu_seqlens_k = cu_k ? static_cast<const int*>(cu_k->data_ptr()) : nullptr;
   p.total_q = s.total_q, p.total_k = s.total_k;
@@ -474,14 +535,16 @@ void launch_bwd(const BwdParams& p, DType dtype, int kernel_dim, int device) {
 // Padded when cu_q is null. Writes into `out` when given. Returns (out, lse).
 std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor* cu_q,
                                    const Tensor* cu_k, int64_t max_q, int64_t max_k, std::optional<double> softmax_scale,
-                                   bool causal, std::optional<Tensor> out_buffer) {
+                                   bool causal, const Features& f, std::optional<Tensor> out_buffer) {
   const bool varlen = cu_q != nullptr;
   check_qkv(q, k, v, softmax_scale, varlen);
   check_buffer("out", out_buffer, q, "q");
   if (varlen) check_cu_seqlens(q, k, *cu_q, *cu_k, max_q, max_k);
+  check_features(f, causal, q, varlen ? cu_q->numel() - 1 : q.size(0));
   if (!recording()) {
     check_devices({{"q", &q}, {"k", &k}, {"v", &v}, {"out", out_buffer ? &*out_buffer : nullptr},
-                   {"cu_seqlens_q", cu_q}, {"cu_seqlens_k", cu_k}});
+                   {"cu_seqlens_q", cu_q}, {"cu_seqlens_k", cu_k}, {"sink", f.sink},
+                   {"alibi_slopes", f.alibi_slopes}});
   }
   const DType dtype = to_dtype(q.scalar_type());
   const int kernel_dim = pick_head_dim(kFwdInstances, int(q.size(-1)), dtype, "fwd");  // before any allocation
@@ -492,13 +555,13 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
                       : new_tensor(q, {q.size(0), q.size(2), q.size(1)}, ScalarType::Float);
   const Sizes s = varlen ? varlen_sizes(q, k, *cu_q, max_q, max_k) : padded_sizes(q, k);
   if (q.numel() == 0 || s.seqlen_q == 0) return {out, lse};
-  if (k.numel() == 0 || s.seqlen_k == 0) {  // no keys: every row is empty
+  if ((k.numel() == 0 || s.seqlen_k == 0) && f.sink == nullptr) {  // no keys: every row is empty
     torch::stable::zero_(out);
     torch::stable::fill_(lse, -INFINITY);
     return {out, lse};
   }
   FwdParams p;
-  fill_common(p, q, k, v, out, lse, s, softmax_scale, causal, cu_q, cu_k);
+  fill_common(p, q, k, v, out, lse, s, softmax_scale, causal, f, cu_q, cu_k);
   launch_fwd(p, dtype, kernel_dim, q.get_device_index());
   return {out, lse};
 }
@@ -507,8 +570,9 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
 std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor& q, const Tensor& k, const Tensor& v,
                                             const Tensor& out, const Tensor& lse, const Tensor* cu_q, const Tensor* cu_k,
                                             int64_t max_q, int64_t max_k, std::optional<double> softmax_scale,
-                                            bool causal, bool deterministic, std::optional<Tensor> dq_buffer,
-                                            std::optional<Tensor> dk_buffer, std::optional<Tensor> dv_buffer) {
+                                            bool causal, const Features& f, bool deterministic,
+                                            std::optional<Tensor> dq_buffer, std::optional<Tensor> dk_buffer,
+                                            std::optional<Tensor> dv_buffer) {
   const bool varlen = cu_q != nullptr;
   check_qkv(q, k, v, softmax_scale, varlen);
   if (varlen) {
@@ -518,10 +582,12 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
     check_bwd_tensors(dout_in, q, k, v, out, lse, dq_buffer, dk_buffer, dv_buffer, {q.size(0), q.size(2), q.size(1)},
                       "fwd");
   }
+  check_features(f, causal, q, varlen ? cu_q->numel() - 1 : q.size(0));
   if (!recording()) {
     check_devices({{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"dout", &dout_in}, {"lse", &lse},
                    {"dq", dq_buffer ? &*dq_buffer : nullptr}, {"dk", dk_buffer ? &*dk_buffer : nullptr},
-                   {"dv", dv_buffer ? &*dv_buffer : nullptr}, {"cu_seqlens_q", cu_q}, {"cu_seqlens_k", cu_k}});
+                   {"dv", dv_buffer ? &*dv_buffer : nullptr}, {"cu_seqlens_q", cu_q}, {"cu_seqlens_k", cu_k},
+                   {"alibi_slopes", f.alibi_slopes}});
   }
   const DType dtype = to_dtype(q.scalar_type());
   const int kernel_dim = pick_head_dim(kBwdInstances, int(q.size(-1)), dtype, "bwd");
@@ -552,7 +618,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
                            : new_tensor(q, {q.size(0), nheads, q.size(1), head_dim}, ScalarType::Float);
   Tensor d_sum = varlen ? new_tensor(lse, {lse.size(0), lse.size(1)}) : new_tensor(lse, {lse.size(0), lse.size(1), lse.size(2)});
   BwdParams p;
-  fill_common(p, q, k, v, out, lse, s, softmax_scale, causal, cu_q, cu_k);
+  fill_common(p, q, k, v, out, lse, s, softmax_scale, causal, f, cu_q, cu_k);
   p.dout = dout.data_ptr();
   p.dq = dq.data_ptr(), p.dk = dk_heads.data_ptr(), p.dv = dv_heads.data_ptr();
   p.dq_accum = static_cast<float*>(dq_accum.data_ptr()), p.d_sum = static_cast<float*>(d_sum.data_ptr());
@@ -576,46 +642,65 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
 
 // ------------------------------------------------------------------------------------------- the ops
 // Argument order and defaults: the schemas in python/fa2/ops.py.
+const Tensor* opt(const std::optional<Tensor>& t) { return t ? &*t : nullptr; }
+
 std::tuple<Tensor, Tensor> fwd(Tensor q, Tensor k, Tensor v, std::optional<double> softmax_scale, bool causal,
-                               bool /*deterministic: the backward's, saved by autograd*/) {
-  return forward(q, k, v, nullptr, nullptr, 0, 0, softmax_scale, causal, std::nullopt);
+                               bool /*deterministic: the backward's, saved by autograd*/, int64_t window_left,
+                               int64_t window_right, double softcap, std::optional<Tensor> alibi_slopes,
+                               std::optional<Tensor> sink) {
+  const Features f{window_left, window_right, softcap, opt(alibi_slopes), opt(sink)};
+  return forward(q, k, v, nullptr, nullptr, 0, 0, softmax_scale, causal, f, std::nullopt);
 }
 
 std::tuple<Tensor, Tensor> fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k,
                                       int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> softmax_scale,
-                                      bool causal, bool /*deterministic*/) {
-  return forward(q, k, v, &cu_seqlens_q, &cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                      bool causal, bool /*deterministic*/, int64_t window_left, int64_t window_right,
+                                      double softcap, std::optional<Tensor> alibi_slopes, std::optional<Tensor> sink) {
+  const Features f{window_left, window_right, softcap, opt(alibi_slopes), opt(sink)};
+  return forward(q, k, v, &cu_seqlens_q, &cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, f,
                  std::nullopt);
 }
 
+// The backward needs no sink: the forward's lse includes it, so the recomputed P is right (its gradient is
+// computed in Python from lse and rowsum(dO * O)). ALiBi slopes get no gradient, as in flash-attn.
 std::tuple<Tensor, Tensor, Tensor> bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
-                                       std::optional<double> softmax_scale, bool causal, bool deterministic) {
-  return backward(dout, q, k, v, out, lse, nullptr, nullptr, 0, 0, softmax_scale, causal, deterministic, std::nullopt,
-                  std::nullopt, std::nullopt);
+                                       std::optional<double> softmax_scale, bool causal, bool deterministic,
+                                       int64_t window_left, int64_t window_right, double softcap,
+                                       std::optional<Tensor> alibi_slopes) {
+  const Features f{window_left, window_right, softcap, opt(alibi_slopes), nullptr};
+  return backward(dout, q, k, v, out, lse, nullptr, nullptr, 0, 0, softmax_scale, causal, f, deterministic,
+                  std::nullopt, std::nullopt, std::nullopt);
 }
 
 std::tuple<Tensor, Tensor, Tensor> bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
                                               Tensor cu_seqlens_q, Tensor cu_seqlens_k, int64_t max_seqlen_q,
                                               int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal,
-                                              bool deterministic) {
+                                              bool deterministic, int64_t window_left, int64_t window_right,
+                                              double softcap, std::optional<Tensor> alibi_slopes) {
+  const Features f{window_left, window_right, softcap, opt(alibi_slopes), nullptr};
   return backward(dout, q, k, v, out, lse, &cu_seqlens_q, &cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                  causal, deterministic, std::nullopt, std::nullopt, std::nullopt);
+                  causal, f, deterministic, std::nullopt, std::nullopt, std::nullopt);
 }
 
 // The public fwd/bwd with caller-provided outputs (out=, dq=, dk=, dv=), padded or packed.
 Tensor fwd_out(Tensor q, Tensor k, Tensor v, std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k,
-               int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal, Tensor out) {
+               int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal, Tensor out,
+               int64_t window_left, int64_t window_right, double softcap, std::optional<Tensor> alibi_slopes,
+               std::optional<Tensor> sink) {
   const Tensor* cu_q = cu_seqlens_q ? &*cu_seqlens_q : nullptr;
   const Tensor* cu_k = cu_seqlens_k ? &*cu_seqlens_k : nullptr;
-  return std::get<1>(forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, out));
+  const Features f{window_left, window_right, softcap, opt(alibi_slopes), opt(sink)};
+  return std::get<1>(forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, f, out));
 }
 
 void bwd_out(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::optional<Tensor> cu_seqlens_q,
              std::optional<Tensor> cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-             std::optional<double> softmax_scale, bool causal, bool deterministic, Tensor dq, Tensor dk, Tensor dv) {
+             std::optional<double> softmax_scale, bool causal, bool deterministic, Tensor dq, Tensor dk, Tensor dv,
+             int64_t window_left, int64_t window_right, double softcap, std::optional<Tensor> alibi_slopes) {
   const Tensor* cu_q = cu_seqlens_q ? &*cu_seqlens_q : nullptr;
   const Tensor* cu_k = cu_seqlens_k ? &*cu_seqlens_k : nullptr;
-  backward(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, dq,
+  const Features f{window_left, window_right, softcap, opt(alibi_slopes), nullptr};
+  backward(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, f, deterministic, dq,
            dk, dv);
 }
 

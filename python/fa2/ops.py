@@ -22,23 +22,29 @@ import torch
 from torch import Tensor
 
 _LIB = torch.library.Library("fa2", "DEF")
+# The options beyond plain attention, last in every schema (fa2.reference has their meaning): the band of visible
+# keys, softcap, ALiBi slopes (fp32), and in the forward the per-head sink logits (fp32). The backward needs no sink:
+# lse includes it.
+_FEATURES = "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None"
+_SINK = "Tensor? sink=None"
 _SCHEMAS = {
-    "fwd": "fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale, bool causal, bool deterministic=False) "
-           "-> (Tensor, Tensor)",
+    "fwd": "fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale, bool causal, bool deterministic=False, "
+           f"{_FEATURES}, {_SINK}) -> (Tensor, Tensor)",
     "bwd": "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float? softmax_scale, bool causal, "
-           "bool deterministic) -> (Tensor, Tensor, Tensor)",
+           f"bool deterministic, {_FEATURES}) -> (Tensor, Tensor, Tensor)",
     "fwd_varlen": "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
                   "SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, "
-                  "bool deterministic=False) -> (Tensor, Tensor)",
+                  f"bool deterministic=False, {_FEATURES}, {_SINK}) -> (Tensor, Tensor)",
     "bwd_varlen": "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
                   "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, "
-                  "bool deterministic) -> (Tensor, Tensor, Tensor)",
+                  f"bool deterministic, {_FEATURES}) -> (Tensor, Tensor, Tensor)",
     # fa2.fwd / fa2.bwd (and the varlen pair) with caller-provided outputs; cu_seqlens None for padded batches.
     "fwd_out": "fwd_out(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
-               "SymInt max_seqlen_k, float? softmax_scale, bool causal, Tensor(a!) out) -> Tensor",
+               "SymInt max_seqlen_k, float? softmax_scale, bool causal, Tensor(a!) out, "
+               f"{_FEATURES}, {_SINK}) -> Tensor",
     "bwd_out": "bwd_out(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
                "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, "
-               "bool deterministic, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> ()",
+               f"bool deterministic, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, {_FEATURES}) -> ()",
 }
 for _schema in _SCHEMAS.values():
     _LIB.define(_schema)
@@ -144,6 +150,49 @@ def true_scale(softmax_scale: Optional[float], head_dim: int) -> float:
     return head_dim ** -0.5 if softmax_scale is None else softmax_scale
 
 
+def window(window_size) -> tuple:
+    """flash-attn's window_size=(left, right) as two ints, -1 meaning unbounded, with a clear error otherwise."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 for unbounded, got {window_size!r}") \
+            from None
+    for name, w in (("window_size[0] (left)", left), ("window_size[1] (right)", right)):
+        if isinstance(w, (bool, Tensor)) or not hasattr(w, "__index__"):
+            raise TypeError(f"{name} must be an int (-1 for unbounded), got {w!r}")
+    return int(left), int(right)
+
+
+def sink_logits(sink: Optional[Tensor]) -> Optional[Tensor]:
+    """The sink logits as the kernels read them (fp32, contiguous); differentiable back to the caller's tensor."""
+    if sink is None:
+        return None
+    check_tensors(sink=sink)
+    return sink.float().contiguous()
+
+
+def slopes(alibi_slopes: Optional[Tensor]) -> Optional[Tensor]:
+    """ALiBi slopes as the kernels read them (fp32, contiguous, no gradient: flash-attn gives them none)."""
+    if alibi_slopes is None:
+        return None
+    check_tensors(alibi_slopes=alibi_slopes)
+    return alibi_slopes.detach().float().contiguous()
+
+
+def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor, cu_seqlens_q: Optional[Tensor] = None) -> Tensor:
+    """d sink_h = -sum_i exp(sink_h - lse_i) * D_i with D = rowsum(dO * O): the sink's probability times its
+    (zero) value's dP minus D, summed over the rows of head h (fa2.reference derives it)."""
+    d = (dout.float() * out.float()).sum(-1)  # (batch, seqlen, nheads) or (total, nheads)
+    if cu_seqlens_q is None:
+        p_sink = torch.exp(sink[None, :, None] - lse)  # (batch, nheads, seqlen)
+        return -(p_sink * d.transpose(1, 2)).sum((0, 2))
+    # Packed rows outside every sequence were never written: they count for nothing.
+    rows = torch.arange(lse.shape[1], device=lse.device)
+    inside = (rows >= cu_seqlens_q[0]) & (rows < cu_seqlens_q[-1])
+    p_sink = torch.where(inside, torch.exp(sink[:, None] - lse), 0.0)  # (nheads, total)
+    return -(p_sink * torch.where(inside[:, None], d, 0.0).t()).sum(1)
+
+
 def pad_head_dim(*tensors: Tensor):
     """Zero columns up to the next multiple of 8, as flash-attn pads: they add 0 to every score, and the output's
     and gradients' extra columns are sliced off (the caller passes softmax_scale for the true head dim)."""
@@ -153,20 +202,30 @@ def pad_head_dim(*tensors: Tensor):
 
 # ----------------------------------------------------------------------------------------------- autograd
 def _setup_context(ctx, inputs, output):
-    """Save q, k, v, out and lse (O(seqlen) memory: no seqlen_q x seqlen_k tensor) and, for varlen, the
-    cu_seqlens; keep the other arguments. The bwd ops take them in this order: tensors, then the rest."""
-    q, k, v, *rest = inputs
+    """Save q, k, v, out and lse (O(seqlen) memory: no seqlen_q x seqlen_k tensor), the ALiBi slopes and the sink
+    (or None) and, for varlen, the cu_seqlens; keep the other arguments. The bwd ops take them in this order:
+    tensors, then the rest, then the slopes (the forward's last two inputs are the slopes and the sink)."""
+    q, k, v, *rest, alibi_slopes, sink = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *(a for a in rest if isinstance(a, Tensor)))
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sink, *(a for a in rest if isinstance(a, Tensor)))
     ctx.args = [a for a in rest if not isinstance(a, Tensor)]
     ctx.mark_non_differentiable(lse)  # the kernels have no gradient for lse
 
 
+def _grads(ctx, bwd, dout, saved):
+    """The gradients of every forward input: dq, dk, dv from the bwd op, None for the options (ALiBi slopes
+    included, as in flash-attn), dsink last."""
+    q, k, v, out, lse, alibi_slopes, sink, *cu_seqlens = saved
+    grads = bwd(dout, q, k, v, out, lse, *cu_seqlens, *ctx.args, alibi_slopes)
+    dsink = None
+    if sink is not None and ctx.needs_input_grad[-1]:
+        dsink = sink_grad(dout, out, lse, sink, cu_seqlens[0] if cu_seqlens else None)
+    return (*grads, *(None,) * (len(ctx.needs_input_grad) - 4), dsink)
+
+
 def _backward(ctx, dout, _dlse):  # traced by AOT autograd: calls the bwd ops
-    q, k, v, out, lse, *cu_seqlens = ctx.saved_tensors
-    bwd = torch.ops.fa2.bwd_varlen if cu_seqlens else torch.ops.fa2.bwd
-    grads = bwd(dout, q, k, v, out, lse, *cu_seqlens, *ctx.args)
-    return (*grads, *(None,) * (len(ctx.needs_input_grad) - 3))
+    varlen = len(ctx.saved_tensors) > 7
+    return _grads(ctx, torch.ops.fa2.bwd_varlen if varlen else torch.ops.fa2.bwd, dout, ctx.saved_tensors)
 
 
 torch.library.register_autograd("fa2::fwd", _backward, setup_context=_setup_context, lib=_LIB)
@@ -182,19 +241,19 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, *args):
         varlen = isinstance(args[0], Tensor)
         out, lse = call(FWD_VARLEN if varlen else FWD, q, k, v, *args)
+        alibi_slopes, sink = args[-2:]
         if varlen:
-            ctx.save_for_backward(q, k, v, out, lse, args[0], args[1])
-            ctx.args = args[2:]
+            ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sink, args[0], args[1])
+            ctx.args = args[2:-2]
         else:
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.args = args
+            ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sink)
+            ctx.args = args[:-2]
         return out
 
     @staticmethod
     def backward(ctx, dout):
         saved = ctx.saved_tensors
-        grads = call(BWD_VARLEN if len(saved) == 7 else BWD, dout, *saved, *ctx.args)
-        return (*grads, *(None,) * (len(ctx.needs_input_grad) - 3))
+        return _grads(ctx, lambda *a: call(BWD_VARLEN if len(saved) > 7 else BWD, *a), dout, saved)
 
 
 # Function.apply without its Python wrapper (which binds arguments and filters them on every call); what it does
@@ -205,16 +264,18 @@ _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 def _attend(op, q, k, v, *args) -> Tensor:
     head_dim = unaligned_head_dim(q, k, v)
-    if head_dim:  # zero-padded; softmax_scale (args[-3] of both ops) from the true head dim
-        args = (*args[:-3], true_scale(args[-3], head_dim), *args[-2:])
+    if head_dim:  # zero-padded; softmax_scale (args[-8] of both ops) from the true head dim
+        args = (*args[:-8], true_scale(args[-8], head_dim), *args[-7:])
         return _attend(op, *pad_head_dim(q, k, v), *args)[..., :head_dim]
     if torch.is_autocast_enabled("cuda"):  # floating inputs run in the autocast dtype, as for torch's own SDPA
         dtype = torch.get_autocast_dtype("cuda")
         q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.is_cuda and t.is_floating_point() else t
                    for t in (q, k, v))
+    sink = args[-1]
     if type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and not torch.compiler.is_compiling() \
             and torch._C._len_torch_dispatch_stack() == 0:
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sink is not None and sink.requires_grad)):
             if torch._C._are_functorch_transforms_active():
                 return _Attention.apply(q, k, v, *args)
             return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), *args)
@@ -233,24 +294,36 @@ def _attend(op, q, k, v, *args) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------- public
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
-              deterministic: bool = False) -> Tensor:
+              deterministic: bool = False, window_size=(-1, -1), softcap: float = 0.0,
+              alibi_slopes: Optional[Tensor] = None, sink: Optional[Tensor] = None) -> Tensor:
     """softmax(q k^T * softmax_scale [causal mask]) v, differentiable in q, k and v. Layout
     (batch, seqlen, nheads, head_dim); k and v may have fewer heads (GQA/MQA). Any head_dim up to 256: one that is
     not a multiple of 8 runs zero-padded (a copy; softmax_scale defaults to the true head_dim ** -0.5). Returns out,
     shaped like q.
-    deterministic=True makes the backward bit-for-bit repeatable (see fa2.bwd)."""
+    deterministic=True makes the backward bit-for-bit repeatable (see fa2.bwd).
+    As in flash-attn: window_size=(left, right) lets query i see keys i + seqlen_k - seqlen_q - left through
+    i + seqlen_k - seqlen_q + right (-1: unbounded; causal is right = 0); softcap > 0 turns scores s into
+    softcap * tanh(s / softcap); alibi_slopes, fp32 (nheads,) or (batch, nheads), add
+    -slope * |i + seqlen_k - seqlen_q - j| to score (i, j). sink: (nheads,) logits that join each row's softmax
+    denominator with no value (gpt-oss), differentiable."""
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         check_tensors(q=q, k=k, v=v)
-    return _attend(FWD, q, k, v, softmax_scale, bool(causal), bool(deterministic))
+    left, right = window(window_size)
+    return _attend(FWD, q, k, v, softmax_scale, bool(causal), bool(deterministic), left, right, float(softcap),
+                   slopes(alibi_slopes), sink_logits(sink))
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, *, causal: bool = False, softmax_scale: Optional[float] = None,
-                     deterministic: bool = False) -> Tensor:
+                     deterministic: bool = False, window_size=(-1, -1), softcap: float = 0.0,
+                     alibi_slopes: Optional[Tensor] = None, sink: Optional[Tensor] = None) -> Tensor:
     """fa2.attention over packed sequences (layout as fa2.fwd_varlen): q (total_q, nheads, head_dim), k and v
-    (total_k, nheads_k, head_dim), sequence b owning rows [cu_seqlens[b], cu_seqlens[b + 1])."""
+    (total_k, nheads_k, head_dim), sequence b owning rows [cu_seqlens[b], cu_seqlens[b + 1]). The options are
+    fa2.attention's, per sequence."""
     check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if not torch.compiler.is_compiling():
         check_max_seqlens(max_seqlen_q, max_seqlen_k)
+    left, right = window(window_size)
     return _attend(FWD_VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                   bool(causal), bool(deterministic))
+                   bool(causal), bool(deterministic), left, right, float(softcap), slopes(alibi_slopes),
+                   sink_logits(sink))

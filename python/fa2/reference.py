@@ -124,7 +124,7 @@ def attention_ref(q, k, v, *, causal: bool = False, softmax_scale: Optional[floa
 
 
 def _key_end(m0: int, block_m: int, seqlen_q: int, seqlen_k: int, causal: bool) -> int:
-    """Query rows [m0, m0 + block_m) see keys [0, key_end) only (mask.h: key_block_end); later K/V blocks
+    """Query rows [m0, m0 + block_m) see keys [0, key_end) only (mask.h: key_blocks, causal); later K/V blocks
     lie entirely above the causal diagonal and are never visited."""
     if not causal:
         return seqlen_k

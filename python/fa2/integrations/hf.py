@@ -10,8 +10,10 @@ mask for plain causal or full attention (nothing of size seqlen_q x seqlen_k is 
 (batch, seqlen_k) padding mask, which the attention function turns into one varlen call. Sequences packed
 into one row (batch 1, position_ids restarting at each sequence) also run as varlen, as with flash-attn.
 
-What fa2 cannot do raises NotImplementedError instead of being ignored: attention dropout, sliding windows,
-softcapping, attention sinks, position biases, arbitrary 4-D masks and custom mask overlays.
+Sliding-window layers (Mistral, Qwen2, Gemma 2/3, gpt-oss), logit softcapping (Gemma 2) and attention sinks
+(gpt-oss) run in fa2's kernels, from the `sliding_window`, `softcap` and `s_aux` arguments the models pass.
+What fa2 cannot do raises NotImplementedError instead of being ignored: attention dropout, position biases,
+chunked attention, arbitrary 4-D masks and custom mask overlays.
 transformers is imported only inside register(): importing fa2 never imports it."""
 from __future__ import annotations
 
@@ -36,22 +38,26 @@ def build_mask(*, mask_function=None, attention_mask=None, local_size=None, use_
     """The mask-interface entry: None, or the 2-D boolean padding mask (transformers' flash-attention mask)."""
     from transformers.masking_utils import flash_attention_mask
 
-    if local_size is not None:
-        raise NotImplementedError(f"fa2 has no sliding-window or chunked attention (window {local_size}): "
-                                  f"use attn_implementation='sdpa' for this model")
+    # A sliding layer (local_size) gets its window in the attention call (the sliding_window argument); chunked
+    # layers are refused there (_reject_unsupported).
     # fa2 runs causal or full attention cut down by padding or packing (and_masks). A union with another pattern
     # (or_masks: e.g. image tokens that see each other both ways) or a model's own overlay (use_vmap) is more.
     if use_vmap or getattr(mask_function, "__name__", "") == "or_mask":
         raise NotImplementedError("fa2 supports causal or full attention with padding only, not this model's custom "
                                   "mask overlay: use attn_implementation='sdpa'")
+    if local_size is not None:
+        kwargs["local_size"] = local_size  # transformers cuts the padding mask to a sliding layer's keys
     return flash_attention_mask(mask_function=mask_function, attention_mask=attention_mask, **kwargs)
 
 
-def _reject_unsupported(dropout: float, attention_mask, kwargs: dict) -> None:
+def _reject_unsupported(module, dropout: float, attention_mask, kwargs: dict) -> None:
     if dropout:
         raise NotImplementedError(f"fa2 has no attention dropout (got {dropout}): set the config's attention "
                                   f"dropout to 0.0 to train with fa2")
-    for name in ("sliding_window", "softcap", "s_aux", "position_bias"):
+    if getattr(getattr(module, "config", None), "attention_chunk_size", None) is not None:
+        raise NotImplementedError("fa2 has no chunked attention (the config's attention_chunk_size): use "
+                                  "attn_implementation='sdpa' for this model")
+    for name in ("position_bias",):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"fa2 does not support {name}, which this model passes: use "
                                       f"attn_implementation='sdpa'")
@@ -96,9 +102,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """The AttentionInterface entry. query: (batch, nheads, seqlen_q, head_dim); key, value: (batch, nheads_k,
     seqlen_k, head_dim), fewer heads for GQA/MQA (fa2 reads them directly: no repeat). attention_mask: None or
     a boolean (batch, seqlen_k) padding mask. Returns (out (batch, seqlen_q, nheads, head_dim), None)."""
-    _reject_unsupported(dropout, attention_mask, kwargs)
+    _reject_unsupported(module, dropout, attention_mask, kwargs)
     causal = module.is_causal if is_causal is None else is_causal
-    options = dict(causal=causal, softmax_scale=scaling, deterministic=bool(kwargs.get("deterministic")))
+    options = dict(causal=causal, softmax_scale=scaling, deterministic=bool(kwargs.get("deterministic")),
+                   softcap=kwargs.get("softcap") or 0.0, sink=kwargs.get("s_aux"))
+    if kwargs.get("sliding_window") is not None:
+        # transformers' sliding window: query i sees keys j > i - sliding_window (masking_utils'
+        # sliding_window_overlay), sliding_window - 1 to the left, as its flash-attention path passes it.
+        width = int(kwargs["sliding_window"]) - 1
+        options["window_size"] = (width, 0 if causal else width)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # fa2's layout: (batch, seqlen, heads, dim)
     batch, seqlen_q, nheads, head_dim = q.shape
     if attention_mask is not None:

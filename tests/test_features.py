@@ -1,0 +1,220 @@
+"""Sliding window, softcap, ALiBi and attention sinks (GPU): forward (out, lse) and backward (dq, dk, dv, dsink)
+against the fp64 reference with FlashAttention's rule, alone and combined, with GQA, padded head dims, packed
+batches, deterministic mode, given buffers and torch.compile."""
+import pytest
+import torch
+
+import fa2
+from fa2.reference import attention_ref
+from tolerance import assert_close_to_ref, assert_lse_close, assert_written, poison
+
+gpu = pytest.mark.gpu
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, window_size, softcap, sink, alibi), alibi None, "h"
+# (slopes (nheads,)) or "bh" (slopes (batch, nheads))
+CASES = [
+    (2, 300, 300, 4, 4, 64, False, (64, 32), 0.0, False, None),
+    (1, 1000, 1000, 4, 2, 128, True, (256, -1), 0.0, False, None),   # causal sliding window (Mistral)
+    (1, 203, 513, 4, 1, 96, False, (100, 7), 0.0, False, None),      # seqlen_q < seqlen_k, MQA
+    (1, 513, 203, 2, 2, 64, False, (30, 0), 0.0, False, None),       # seqlen_q > seqlen_k: rows that see no key
+    (1, 777, 777, 2, 2, 256, False, (128, -1), 0.0, False, None),    # left bound only
+    (1, 400, 600, 2, 2, 32, False, (-1, 40), 0.0, False, None),      # right bound only
+    (1, 333, 333, 2, 1, 160, False, (0, 0), 0.0, False, None),       # the diagonal alone
+    (2, 257, 300, 4, 2, 64, False, (-1, -1), 30.0, False, None),     # softcap (Gemma 2)
+    (1, 1000, 1000, 4, 4, 128, True, (-1, -1), 50.0, False, None),
+    (1, 300, 300, 2, 2, 224, False, (-1, -1), 5.0, False, None),     # a small softcap: tanh saturates
+    (2, 300, 257, 4, 4, 64, False, (-1, -1), 0.0, True, None),       # sinks (gpt-oss)
+    (1, 1000, 1000, 8, 2, 128, True, (-1, -1), 0.0, True, None),
+    (1, 200, 200, 2, 2, 192, True, (128, 0), 0.0, True, None),       # gpt-oss: banded layers with sinks
+    (2, 300, 257, 4, 4, 64, False, (-1, -1), 0.0, False, "h"),       # ALiBi, both sides of the diagonal
+    (2, 700, 700, 8, 2, 128, True, (-1, -1), 0.0, False, "bh"),      # ALiBi per batch entry, causal
+    (1, 1024, 1024, 8, 2, 128, True, (200, -1), 30.0, True, "h"),    # all of them, GQA 4:1
+    (2, 173, 301, 4, 1, 96, False, (50, 10), 20.0, True, "bh"),
+]
+CASE_IDS = ["b{}_{}x{}_h{}kv{}_d{}_c{:d}_w{}_{}_cap{}_sink{:d}_alibi{}".format(*c[:7], *c[7], *c[8:])
+            for c in CASES]
+
+
+def randn(*shape, dtype=torch.bfloat16, **kw):
+    return torch.randn(*shape, device="cuda", dtype=dtype, **kw)
+
+
+def _options(causal, window, softcap, alibi_slopes=None):
+    return dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi_slopes)
+
+
+def alibi_slopes(kind, batch, nheads):
+    """ALiBi's geometric slopes 2^(-8 (i + 1) / nheads), per head or varied per batch entry; None for kind None."""
+    if kind is None:
+        return None
+    per_head = 2.0 ** (-8.0 * torch.arange(1, nheads + 1, device="cuda") / nheads)
+    return per_head if kind == "h" else per_head * torch.rand(batch, 1, device="cuda").add(0.5)
+
+
+def _reference(q, k, v, sink, dout, options, upcast):
+    """out, lse and the gradients of (q, k, v, sink) of the reference: in fp64 (upcast) or in the inputs' own
+    precision, as plain PyTorch attention would compute them."""
+    cast = (lambda t: t.double()) if upcast else (lambda t: t)
+    leaves = [cast(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    s = None if sink is None else cast(sink).detach().clone().requires_grad_()
+    out, lse = attention_ref(*leaves, sink=s, upcast=upcast, **options)
+    grads = torch.autograd.grad(out, leaves + ([s] if s is not None else []), cast(dout))
+    return out, lse, grads
+
+
+def check_against_reference(out, lse, grads, q, k, v, sink, dout, options, tag):
+    out64, lse64, grads64 = _reference(q, k, v, sink, dout, options, True)
+    out_low, lse_low, grads_low = _reference(q, k, v, sink, dout, options, False)
+    # lse is held to float32 attention's error, except with softcap: there the scores go through a one-instruction
+    # tanh (relative error ~2^-11, as in flash-attn), which float32 attention does not have; the bar is then the
+    # brief's own, attention in the inputs' precision.
+    _, lse32, _ = (None, lse_low, None) if options["softcap"] else _reference(
+        q.float(), k.float(), v.float(), None if sink is None else sink.float(), dout.float(), options, False)
+    assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
+    if lse is not None:
+        assert_lse_close(lse, lse64, lse32, name=f"lse {tag}")
+    scale = max(g.abs().max().item() for g in grads64[:3] if g.numel())
+    for name, g, r64, rl in zip(("dq", "dk", "dv", "dsink"), grads, grads64, grads_low):
+        assert_close_to_ref(g, r64, rl, name=f"{name} {tag}", scale=None if name == "dsink" else scale)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_features_match_reference(case, dtype, require_kernel):
+    b, sq, sk, h, hk, d, causal, window, softcap, with_sink, alibi = case
+    require_kernel("bwd", d, dtype)
+    q, k, v = (randn(b, s, n, d, dtype=dtype, requires_grad=True) for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    sink = randn(h, dtype=dtype, requires_grad=True) if with_sink else None
+    options = _options(causal, window, softcap, alibi_slopes(alibi, b, h))
+    out = fa2.attention(q, k, v, sink=sink, **options)
+    _, lse = fa2.fwd(q.detach(), k.detach(), v.detach(), sink=sink, **options)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v] + ([sink] if with_sink else []), dout)
+    check_against_reference(out, lse, grads, q, k, v, sink, dout, options, f"{case} {dtype}")
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [20, 100])
+def test_features_with_a_padded_head_dim(head_dim, require_kernel):
+    require_kernel("bwd", head_dim, torch.bfloat16)
+    q, k, v = (randn(2, 300, 4, head_dim, requires_grad=True) for _ in range(3))
+    sink = randn(4, requires_grad=True)
+    options = _options(True, (64, 0), 25.0)
+    out = fa2.attention(q, k, v, sink=sink, **options)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, sink), dout)
+    check_against_reference(out, None, grads, q, k, v, sink, dout, options, f"d{head_dim}")
+
+
+@gpu
+@pytest.mark.parametrize("causal, window, softcap, alibi", [(True, (40, 0), 0.0, None), (False, (30, 20), 15.0, "bh"),
+                                                            (False, (-1, -1), 10.0, "h")])
+def test_packed_batches_with_features(causal, window, softcap, alibi, require_kernel):
+    """Each sequence of a packed batch is its own window (and its own ALiBi slopes), aligned at its own end; dsink
+    sums over all of them."""
+    require_kernel("bwd", 64, torch.bfloat16)
+    lens_q, lens_k = [1, 90, 300, 47], [130, 90, 250, 47]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = randn(sum(lens_q), 4, 64, requires_grad=True)
+    k, v = (randn(sum(lens_k), 2, 64, requires_grad=True) for _ in range(2))
+    sink = randn(4, requires_grad=True)
+    slopes = alibi_slopes(alibi, len(lens_q), 4)
+    options = _options(causal, window, softcap, slopes)
+    out = fa2.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), sink=sink, **options)
+    dout = torch.randn_like(out)
+    dq, dk, dv, dsink = torch.autograd.grad(out, (q, k, v, sink), dout)
+    dsink_ref64, dsink_low = torch.zeros(4, device="cuda", dtype=torch.float64), torch.zeros(4, device="cuda")
+    for i in range(len(lens_q)):
+        sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        seq = [t[None, s] for t, s in ((q, sq), (k, sk), (v, sk))]
+        grads = (dq[None, sq], dk[None, sk], dv[None, sk], dsink)
+        seq_options = dict(options, alibi_slopes=None if slopes is None else slopes[i] if slopes.dim() == 2 else slopes)
+        out64, _, g64 = _reference(*seq, sink, dout[None, sq], seq_options, True)
+        out_low, _, g_low = _reference(*seq, sink, dout[None, sq], seq_options, False)
+        assert_close_to_ref(out[None, sq], out64, out_low, name=f"out seq {i}")
+        # dk, dv per sequence; dq per sequence; dsink summed over the sequences below.
+        scale = max(g.abs().max().item() for g in g64[:3])
+        for name, g, r64, rl in zip(("dq", "dk", "dv"), grads, g64, g_low):
+            assert_close_to_ref(g, r64, rl, name=f"{name} seq {i}", scale=scale)
+        dsink_ref64 += g64[3]
+        dsink_low += g_low[3].float()
+    assert_close_to_ref(dsink, dsink_ref64, dsink_low.to(sink.dtype), name="dsink packed")
+
+
+@gpu
+def test_rows_that_see_only_the_sink(require_kernel):
+    """A row with no visible key has out = 0 and lse = its head's sink; its gradients are 0."""
+    require_kernel("bwd", 64, torch.bfloat16)
+    q, k, v = randn(1, 64, 2, 64), randn(1, 16, 2, 64), randn(1, 16, 2, 64)
+    sink = torch.tensor([0.5, -3.0], device="cuda")
+    out, lse = fa2.fwd(q, k, v, window_size=(-1, 0), sink=sink)  # row i sees keys j <= i - 48: rows < 48 none
+    out_none, lse_none = fa2.fwd(q, k[:, :0], v[:, :0], sink=sink)  # no keys at all
+    _, lse64 = attention_ref(q, k, v, window_size=(-1, 0), sink=sink)
+    assert torch.isfinite(lse).all() and torch.isfinite(lse_none).all()
+    assert torch.equal(out[:, :48], torch.zeros_like(out[:, :48]))
+    assert torch.equal(out_none, torch.zeros_like(out_none))
+    assert torch.allclose(lse_none, sink[None, :, None].expand_as(lse_none))
+    assert torch.allclose(lse, lse64.float(), atol=1e-5, rtol=1e-5)
+
+
+@gpu
+def test_deterministic_features_are_bit_identical(require_kernel):
+    require_kernel("bwd", 128, torch.bfloat16)
+    q, k, v = (randn(2, 1500, 8, 128) for _ in range(3))
+    sink = randn(8)
+    options = _options(True, (300, 0), 30.0, alibi_slopes("h", 2, 8))
+    out, lse = fa2.fwd(q, k, v, sink=sink, **options)
+    dout = torch.randn_like(out)
+    first = fa2.bwd(dout, q, k, v, out, lse, deterministic=True, **options)
+    second = fa2.bwd(dout, q, k, v, out, lse, deterministic=True, **options)
+    for name, a, b in zip(("dq", "dk", "dv"), first, second):
+        assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+    atomic = fa2.bwd(dout, q, k, v, out, lse, **options)
+    for name, a, b in zip(("dq", "dk", "dv"), first, atomic):
+        # The same sums in another order: at most a rounding step of the output dtype apart.
+        assert (a.float() - b.float()).abs().max().item() <= 1e-2 * b.float().abs().max().item(), name
+
+
+@gpu
+def test_given_buffers_are_written_in_full(require_kernel):
+    require_kernel("bwd", 64, torch.bfloat16)
+    q, k, v = randn(2, 177, 4, 64), randn(2, 301, 2, 64), randn(2, 301, 2, 64)
+    options = _options(False, (90, 5), 12.0, alibi_slopes("bh", 2, 4))
+    out = poison(torch.empty_like(q))
+    _, lse = fa2.fwd(q, k, v, out=out, sink=randn(4), **options)
+    assert_written(out, name="out")
+    dq, dk, dv = (poison(torch.empty_like(t)) for t in (q, k, v))
+    fa2.bwd(torch.randn_like(out), q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **options)
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert_written(g, name=name)
+
+
+@gpu
+def test_compiled_fullgraph_matches_eager(require_kernel):
+    require_kernel("bwd", 64, torch.bfloat16)
+    q, k, v = (randn(2, 200, 4, 64, requires_grad=True) for _ in range(3))
+    sink, slopes = randn(4, requires_grad=True), alibi_slopes("h", 2, 4)
+
+    def f(q, k, v, sink):
+        return fa2.attention(q, k, v, causal=True, window_size=(50, 0), softcap=20.0, alibi_slopes=slopes, sink=sink)
+
+    compiled = torch.compile(f, fullgraph=True)
+    dout = torch.randn(2, 200, 4, 64, device="cuda", dtype=torch.bfloat16)
+    eager_out = f(q, k, v, sink)
+    eager = torch.autograd.grad(eager_out, (q, k, v, sink), dout)
+    comp_out = compiled(q, k, v, sink)
+    comp = torch.autograd.grad(comp_out, (q, k, v, sink), dout)
+    assert torch.equal(eager_out, comp_out)
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), eager, comp):
+        assert torch.allclose(a.float(), b.float(), atol=1e-2, rtol=1e-2), name
+
+
+@gpu
+def test_flash_attn_func_takes_window_softcap_and_alibi(require_kernel):
+    require_kernel("fwd", 64, torch.bfloat16)
+    q, k, v = (randn(1, 256, 2, 64) for _ in range(3))
+    slopes = alibi_slopes("h", 1, 2)
+    out = fa2.flash_attn_func(q, k, v, causal=True, window_size=(32, 32), softcap=10.0, alibi_slopes=slopes)
+    assert torch.equal(out, fa2.attention(q, k, v, causal=True, window_size=(32, 0), softcap=10.0, alibi_slopes=slopes))
