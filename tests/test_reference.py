@@ -3,7 +3,7 @@ for any block size, causal or not, GQA/MQA, equal and unequal sequence lengths."
 import pytest
 import torch
 
-from fa2.reference import attention_ref, flash_bwd_tiled, flash_fwd_tiled
+from fa2.reference import attention_ref, dropout_keep_mask, flash_bwd_tiled, flash_fwd_tiled, philox4x32
 from tolerance import assert_close_to_ref, assert_lse_close
 
 CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim): big seqlens get few heads
@@ -259,6 +259,39 @@ def test_dropout_scales_the_kept_probabilities_after_the_softmax():
     P = torch.softmax(S, dim=-1) * keep / (1 - p)
     torch.testing.assert_close(out, torch.einsum("bhij,bjhd->bihd", P, v), rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, torch.logsumexp(S, dim=-1), rtol=0, atol=1e-12)  # lse is the undropped one
+
+
+@pytest.mark.parametrize("counter, key, expected", [  # Random123's known-answer vectors for philox4x32-10
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+])
+def test_philox_matches_the_known_answers(counter, key, expected):
+    assert tuple(int(x) for x in philox4x32(counter, key)) == expected
+
+
+def test_dropout_mask_is_a_function_of_the_rng_state():
+    """Same state, same mask; another seed or offset, another mask; each element kept with probability 1 - p
+    (here within 5 standard deviations over 2^20 draws), independently of its position."""
+    shape = (2, 4, 128, 1024)
+    p = 0.3
+    a = dropout_keep_mask((12345, 7), *shape, p)
+    assert a.shape == shape and a.dtype == torch.bool and torch.equal(a, dropout_keep_mask((12345, 7), *shape, p))
+    assert not torch.equal(a, dropout_keep_mask((12346, 7), *shape, p))
+    assert not torch.equal(a, dropout_keep_mask((12345, 8), *shape, p))
+    n = a.numel()
+    sigma = (n * p * (1 - p)) ** 0.5
+    assert abs(a.sum().item() - n * (1 - p)) < 5 * sigma
+    for part in (a[..., 0::4], a[..., 3::4], a[:, :, 1::2], a[1]):  # each output lane, odd rows, one batch entry
+        m = part.numel()
+        assert abs(part.sum().item() - m * (1 - p)) < 5 * (m * p * (1 - p)) ** 0.5
+    assert dropout_keep_mask((1, 0), *shape, 0.0).all()
+
+
+def test_dropout_mask_of_a_negative_seed_uses_its_twos_complement_bits():
+    shape = (1, 2, 8, 16)
+    assert torch.equal(dropout_keep_mask((-1, 0), *shape, 0.5), dropout_keep_mask((2 ** 64 - 1, 0), *shape, 0.5))
 
 
 def test_every_variant_together_is_differentiable():

@@ -63,6 +63,47 @@ def alibi_bias(slopes: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, seq
     return -slopes[:, :, None, None] * distance
 
 
+# Philox4x32-10 (Salmon et al., SC'11; the generator of torch's and flash-attn's CUDA dropout): constants of the
+# round function and of the key schedule.
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_U32 = 0xFFFFFFFF
+
+
+def philox4x32(counter, key, rounds: int = 10):
+    """Philox4x32-`rounds` on int64 tensors holding uint32 values: counter (c0, c1, c2, c3) and key (k0, k1), each
+    broadcastable; returns the four uint32 outputs. Pure integer arithmetic, so any device gives the same bits."""
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) & _U32 for c in counter)
+    k0, k1 = (torch.as_tensor(k, dtype=torch.int64) & _U32 for k in key)
+    for r in range(rounds):
+        if r > 0:
+            k0, k1 = (k0 + _PHILOX_W[0]) & _U32, (k1 + _PHILOX_W[1]) & _U32
+        p0, p1 = c0 * _PHILOX_M[0], c2 * _PHILOX_M[1]  # < 2^64: exact in int64 bits (wraps, masked below)
+        hi0, lo0 = (p0 >> 32) & _U32, p0 & _U32
+        hi1, lo1 = (p1 >> 32) & _U32, p1 & _U32
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def dropout_keep_mask(rng_state, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
+                      device=None) -> torch.Tensor:
+    """The kept elements (bool, (batch, nheads, seqlen_q, seqlen_k)) of dropout drawn from rng_state = (seed,
+    offset): score (b, h, i, j) draws Philox4x32-10 with key (seed's low and high 32 bits) and counter
+    (j // 4, i, b * nheads + h, offset's low 32 bits), takes output j % 4 and is kept iff it is below
+    floor((1 - dropout_p) * 2^32). Rows and columns count within each sequence (packed batches: b is the sequence).
+    The kernels are to draw the same bits (not implemented yet); the mask for attention_ref(dropout_keep=...)."""
+    seed, offset = (int(x) for x in rng_state)
+    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(nheads, device=device).view(1, -1, 1, 1)
+    i = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
+    j = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    outs = philox4x32((j // 4, i, b * nheads + h, offset & _U32), (seed & _U32, (seed >> 32) & _U32))
+    draw = torch.stack(torch.broadcast_tensors(*outs), dim=-1).gather(-1, (j % 4).expand(batch, nheads, seqlen_q,
+                                                                                           seqlen_k)[..., None])
+    threshold = math.floor((1.0 - dropout_p) * 2 ** 32)
+    return draw[..., 0] < threshold
+
+
 def check_options(*, causal: bool, window_size, softcap: float, dropout_p: float) -> Tuple[int, int]:
     """The feature options that make sense, as flash-attn defines them; returns the effective window
     (causal folds into it as right = 0). Combinations that make no sense raise naming both arguments."""
@@ -96,8 +137,8 @@ def attention_ref(q, k, v, *, causal: bool = False, softmax_scale: Optional[floa
     - sink (nheads,): a per-head logit in every row's softmax denominator with no value attached,
       lse_i = log(exp(sink_h) + sum_j exp(s_ij)); differentiable (d sink_h = -sum_i exp(sink_h - lse_i) * D_i);
     - dropout_p with dropout_keep (bool, (batch, nheads, seqlen_q, seqlen_k)): the kept probabilities are scaled
-      by 1 / (1 - dropout_p), the others dropped, after the softmax (lse is the undropped one). The kernel
-      draws the mask from its RNG; the specification takes it as an argument."""
+      by 1 / (1 - dropout_p), the others dropped, after the softmax (lse is the undropped one). The kernels
+      will draw the mask from an RNG state as dropout_keep_mask does; here it is an argument."""
     left, right = check_options(causal=causal, window_size=window_size, softcap=softcap, dropout_p=dropout_p)
     scale = _scale(softmax_scale, q)
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
