@@ -152,6 +152,8 @@ def true_scale(softmax_scale: Optional[float], head_dim: int) -> float:
 
 def window(window_size) -> tuple:
     """flash-attn's window_size=(left, right) as two ints, -1 meaning unbounded, with a clear error otherwise."""
+    if type(window_size) is tuple and window_size == (-1, -1):  # the default, on every call
+        return -1, -1
     try:
         left, right = window_size
     except (TypeError, ValueError):

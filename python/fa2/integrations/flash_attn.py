@@ -7,7 +7,7 @@ flash_attn/flash_attn_interface.py. Options fa2 does not implement raise NotImpl
 option, before any other check: a silently ignored dropout would train a different model."""
 from __future__ import annotations
 
-from fa2.ops import attention, attention_varlen
+from fa2.ops import attention, attention_varlen, window
 
 # Each option fa2 lacks: (name, its "off" test, what it would have done).
 _UNSUPPORTED = (
@@ -27,7 +27,7 @@ def _reject_unsupported(**options) -> None:
 def _window(window_size, causal):
     """flash-attn lets causal win over a right bound (its mha_fwd sets window_size_right = 0), where fa2.attention
     refuses the contradiction; code written for flash-attn (transformers passes (w, w) with causal) keeps working."""
-    left, right = window_size
+    left, right = window(window_size)  # a malformed window gets fa2.attention's message
     return (left, 0) if causal else (left, right)
 
 

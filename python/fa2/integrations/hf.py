@@ -57,10 +57,9 @@ def _reject_unsupported(module, dropout: float, attention_mask, kwargs: dict) ->
     if getattr(getattr(module, "config", None), "attention_chunk_size", None) is not None:
         raise NotImplementedError("fa2 has no chunked attention (the config's attention_chunk_size): use "
                                   "attn_implementation='sdpa' for this model")
-    for name in ("position_bias",):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"fa2 does not support {name}, which this model passes: use "
-                                      f"attn_implementation='sdpa'")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("fa2 does not support position_bias, which this model passes: use "
+                                  "attn_implementation='sdpa'")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError(f"fa2 takes a padding mask (batch, seqlen_k) only, got a mask of shape "
                                   f"{tuple(attention_mask.shape)}: pass a 2-D attention_mask, or use 'sdpa'")
