@@ -116,11 +116,18 @@ def module_files(build_dir):
 
 
 def load(build_dir=None):
-    """fa2, with the _C module of `build_dir` if given (a standalone CMake build dir, an installed fa2/ folder or a
-    folder of module parts): this checkout's python/fa2 next to that module, in a temporary folder put first on
+    """fa2, with the _C module of `build_dir` if given (a standalone CMake build dir, an installed fa2/ folder, a
+    folder of module parts, or a folder holding a whole fa2/ package, which is then used as it is): this checkout's python/fa2 next to that module, in a temporary folder put first on
     sys.path. One build per process: the fa2 ops are registered once per process, so two builds cannot share one."""
     if build_dir is None:
         import fa2
+        return fa2
+    if os.path.isfile(os.path.join(build_dir, "fa2", "__init__.py")):
+        # A whole package (an older tree's python/fa2 with its module): its Python layer matches its op schemas.
+        sys.path.insert(0, os.path.abspath(build_dir))
+        import fa2
+        if not os.path.abspath(fa2.__file__).startswith(os.path.abspath(build_dir)):
+            raise SystemExit(f"load: fa2 came from {fa2.__file__}, not from {build_dir}")
         return fa2
     files = module_files(build_dir)
     if not files:

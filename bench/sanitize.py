@@ -7,8 +7,8 @@
 d256's backward double-buffers Q/dO on the H100, d96's adds dQ between dV and dK; d256's forward has two tiles).
 Both modes then run every head dim again with a block limited to 99 KB (csrc/CONTRACT.md: set_test_overrides), the
 configurations of consumer GPUs (csrc/fa2/config.h), padded and packed: d256's keeps P and dS in the bytes of V.
-Last, the cases again with a sliding window (blocks skipped on both sides, rows that see no key), softcap, ALiBi and
-sinks; --features runs only those.
+Last, the cases again with a sliding window (blocks skipped on both sides, rows that see no key), softcap, ALiBi,
+dropout and sinks; --features runs only those, then once more on 99 KB configurations.
 """
 import sys
 
@@ -43,12 +43,14 @@ SMALL_SMEM_VARLEN = [([0, 70, 1], [9, 64, 0], 2, 1, d, True) for d in (64, 96, 1
 
 
 def run_cases(cases, varlen_cases, dtypes, window=None):
-    """window: then also softcap and ALiBi in both directions, and a sink in the forward (causal cases keep right 0)."""
+    """window: then also softcap, ALiBi and dropout in both directions, and a sink in the forward (causal cases keep
+    right 0)."""
     def options(h, causal):
         if window is None:
             return {}, {}
         both = dict(window_size=(window[0], 0 if causal else window[1]), softcap=20.0,
-                    alibi_slopes=torch.full((h,), 0.25, device="cuda"))
+                    alibi_slopes=torch.full((h,), 0.25, device="cuda"), dropout_p=0.3,
+                    rng_state=torch.tensor([12345, 6], device="cuda"))
         return both, dict(sink=torch.randn(h, device="cuda"))
     for lq, lk, h, hk, d, causal in varlen_cases:
         if not any(x >= d for x in built):
@@ -87,4 +89,7 @@ if not features_only:
     fa2._C.set_test_overrides()
 for window in ((40, 0), (30, 70)):
     run_cases(CASES, VARLEN, (torch.bfloat16,), window=window)
+fa2._C.set_test_overrides(smem_limit=99 * 1024)  # 32-key tiles: dropout's other draw pattern (dropout.h)
+run_cases(SMALL_SMEM_CASES, SMALL_SMEM_VARLEN, (torch.bfloat16,), window=(30, 70))
+fa2._C.set_test_overrides()
 print("sanitize cases done")

@@ -314,6 +314,7 @@ BAD_FEATURES = [
     ("alibi_slopes shape", dict(alibi_slopes=torch.ones(2, 4)), ValueError,
      "alibi_slopes must be a contiguous \\(nheads=4,\\) or \\(batch=1, nheads=4\\)"),
     ("alibi_slopes not a tensor", dict(alibi_slopes=1.0), TypeError, "alibi_slopes must be a torch.Tensor"),
+    ("dropout_p 1", dict(dropout_p=1.0), ValueError, "dropout_p must be in \\[0, 1\\)"),
 ]
 
 
@@ -342,6 +343,32 @@ def test_sink_gets_a_gradient_through_autograd(recording, varlen):
     assert kind == "bwd" and (b["window_left"], b["window_right"], b["softcap_in"]) == (5, 0, _f32(64 ** -0.5 / 10))
     assert sink.grad is not None and sink.grad.shape == (4,) and sink.grad.dtype == BF16
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+def test_dropout_reaches_the_kernels_with_its_state(recording):
+    """The forward and the backward get the same (seed, offset) tensor, the reference's threshold and 1 / (1 - p)."""
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    fa2.attention(q, k, v, dropout_p=0.25).float().sum().backward()
+    (_, f), (_, b) = recording.calls
+    assert f["rng_state"] != 0 and f["rng_state"] == b["rng_state"]
+    for args in (f, b):
+        assert args["dropout_threshold"] == 3 * 2 ** 14 and args["dropout_scale"] == _f32(1 / 0.75)
+    state = torch.tensor([5, 6])
+    out, lse = fa2.fwd(*_qkv(), dropout_p=0.5, rng_state=state)
+    assert recording.calls[-1][1]["rng_state"] == state.data_ptr()
+    with pytest.raises(ValueError, match="dropout_p=0.5 needs rng_state"):
+        fa2.fwd(*_qkv(), dropout_p=0.5)
+    with pytest.raises(ValueError, match="rng_state must be a contiguous int64 tensor of shape \\(2,\\)"):
+        fa2.fwd(*_qkv(), dropout_p=0.5, rng_state=torch.tensor([1.0, 2.0]))
+
+
+def test_dropout_state_follows_torch_manual_seed():
+    from fa2 import ops
+    torch.manual_seed(3)
+    a = ops.dropout_state(0.1, "cpu")
+    torch.manual_seed(3)
+    assert torch.equal(a, ops.dropout_state(0.1, "cpu")) and a.dtype == torch.int64 and a.shape == (2,)
+    assert ops.dropout_state(0.0, "cpu") is None
 
 
 def test_sink_gradient_is_the_reference_formula():

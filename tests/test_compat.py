@@ -48,7 +48,7 @@ def _varlen_args():
 
 
 UNSUPPORTED = [  # (option, a value that turns it on)
-    ("dropout_p", 0.1), ("return_attn_probs", True),
+    ("return_attn_probs", True),
 ]
 UNSUPPORTED_CASES = ([(flash_attn_func, _padded_args, *u) for u in UNSUPPORTED] +
                      [(flash_attn_varlen_func, _varlen_args, *u) for u in UNSUPPORTED] +
@@ -73,11 +73,11 @@ def test_arguments_reach_fa2_in_flash_attns_order(monkeypatch):
     slopes = torch.ones(2)
     assert flash_attn_func(q, k, v, 0.0, 0.25, True, [64, 64], 30.0, slopes, True) == "out"
     assert calls[-1] == ((q, k, v), dict(causal=True, softmax_scale=0.25, deterministic=True, window_size=(64, 0),
-                                         softcap=30.0, alibi_slopes=slopes))
+                                         softcap=30.0, alibi_slopes=slopes, dropout_p=0.0))
     args = _varlen_args()
     assert flash_attn_varlen_func(*args, 0.0, None, False, (-1, -1), 0.0, None, False, False, None) == "out"
     assert calls[-1] == (args, dict(causal=False, softmax_scale=None, deterministic=False, window_size=(-1, -1),
-                                    softcap=0.0, alibi_slopes=None))
+                                    softcap=0.0, alibi_slopes=None, dropout_p=0.0))
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -1,11 +1,13 @@
 """Sliding window, softcap, ALiBi and attention sinks (GPU): forward (out, lse) and backward (dq, dk, dv, dsink)
 against the fp64 reference with FlashAttention's rule, alone and combined, with GQA, padded head dims, packed
 batches, deterministic mode, given buffers and torch.compile."""
+import re
+
 import pytest
 import torch
 
 import fa2
-from fa2.reference import attention_ref
+from fa2.reference import attention_ref, dropout_keep_mask
 from tolerance import assert_close_to_ref, assert_lse_close, assert_written, poison
 
 gpu = pytest.mark.gpu
@@ -218,3 +220,146 @@ def test_flash_attn_func_takes_window_softcap_and_alibi(require_kernel):
     slopes = alibi_slopes("h", 1, 2)
     out = fa2.flash_attn_func(q, k, v, causal=True, window_size=(32, 32), softcap=10.0, alibi_slopes=slopes)
     assert torch.equal(out, fa2.attention(q, k, v, causal=True, window_size=(32, 0), softcap=10.0, alibi_slopes=slopes))
+
+
+@gpu
+def test_forward_runs_its_plain_instance_unless_a_score_transform_is_on(require_kernel):
+    """The forward's main tile has an instance without softcap, ALiBi and dropout (fwd_launch.h): each transform
+    alone takes the other; window and sink do not."""
+    require_kernel("fwd", 128, torch.bfloat16)
+    q, k, v = (randn(1, 2048, 2, 128) for _ in range(3))
+    state = torch.tensor([1, 2], device="cuda")
+
+    def instance(**options):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fa2.fwd(q, k, v, **options)
+            torch.cuda.synchronize()
+        names = {e.name for e in prof.events() if "fwd_kernel<" in e.name}
+        assert len(names) == 1, names
+        return re.search(r"fwd_kernel<fa2::FwdTraits<[^>]*>, (true|false)>", names.pop()).group(1) == "true"
+
+    assert not instance() and not instance(window_size=(100, 0), sink=torch.randn(2, device="cuda"))
+    assert instance(softcap=20.0) and instance(alibi_slopes=torch.ones(2, device="cuda"))
+    assert instance(dropout_p=0.1, rng_state=state)
+
+
+# ------------------------------------------------------------------------------------------------ dropout
+DROPOUT_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, window_size, softcap, alibi, sink)
+    (2, 300, 257, 4, 2, 64, False, (-1, -1), 0.0, None, False),
+    (1, 700, 700, 4, 4, 128, True, (-1, -1), 0.0, None, False),
+    (1, 513, 513, 4, 1, 96, True, (128, 0), 30.0, "h", True),
+    (1, 200, 333, 2, 2, 256, False, (50, 20), 0.0, "bh", False),
+]
+
+
+@gpu
+@pytest.mark.parametrize("dropout_p", [0.17, 0.5])
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=[f"b{c[0]}_{c[1]}x{c[2]}_d{c[5]}_c{c[6]:d}" for c in DROPOUT_CASES])
+def test_dropout_matches_reference_with_its_mask(case, dropout_p, require_kernel):
+    """fa2.fwd / fa2.bwd with a given (seed, offset) against the reference with the mask that state draws
+    (fa2.reference.dropout_keep_mask): out, dq, dk, dv, and dsink through sink_grad."""
+    b, sq, sk, h, hk, d, causal, window, softcap, alibi, with_sink = case
+    require_kernel("bwd", d, torch.bfloat16)
+    q, k, v = (randn(b, s, n, d) for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    sink = randn(h) if with_sink else None
+    state = torch.tensor([0x1234_5678_9ABC_DEF0 - 2 ** 63, 77], device="cuda")
+    options = _options(causal, window, softcap, alibi_slopes(alibi, b, h))
+    out, lse = fa2.fwd(q, k, v, dropout_p=dropout_p, rng_state=state, sink=sink, **options)
+    dout = torch.randn_like(out)
+    grads = fa2.bwd(dout, q, k, v, out, lse, dropout_p=dropout_p, rng_state=state, **options)
+    if with_sink:
+        grads = (*grads, fa2.ops.sink_grad(dout, out, lse, sink.float()))
+    keep = dropout_keep_mask(state.tolist(), b, h, sq, sk, dropout_p, device="cuda")
+    dropped = dict(options, dropout_p=dropout_p, dropout_keep=keep)
+    check_against_reference(out, lse, grads, q, k, v, sink, dout, dropped, f"{case} p={dropout_p}")
+
+
+CONSUMER_SMEM = 99 * 1024  # shared memory a block may use on sm86/sm89/sm120: other tiles (32-key blocks)
+
+
+@gpu
+@pytest.mark.parametrize("smem_limit", [None, CONSUMER_SMEM], ids=["device", "99KB"])
+@pytest.mark.parametrize("d", [64, 128, 160, 256])
+def test_dropout_keeps_exactly_the_reference_s_scores(d, smem_limit, require_kernel, launch_overrides):
+    """Both kernels' kept scores, read out exactly rather than through a tolerance: with q = 0 every probability is
+    1 / seqlen_k, so with v the identity out[i, j] = keep[i, j] / (seqlen_k (1 - p)), and with dout the identity
+    dv[j, i] is the same. seqlen_q = seqlen_k = head_dim: several query and key blocks, every bit of the mapping."""
+    require_kernel("bwd", d, torch.bfloat16)
+    if smem_limit:
+        launch_overrides(smem_limit=smem_limit)
+    b, h, n, p = 2, 3, d, 0.4
+    eye = torch.eye(n, d, device="cuda", dtype=torch.bfloat16)[None, :, None].expand(b, n, h, d).contiguous()
+    q, k = torch.zeros(b, n, h, d, device="cuda", dtype=torch.bfloat16), randn(b, n, h, d)
+    state = torch.tensor([0x0123_4567_89AB_CDEF, 0x5_0000_0003], device="cuda")
+    out, lse = fa2.fwd(q, k, eye, dropout_p=p, rng_state=state)
+    _, _, dv = fa2.bwd(eye, q, k, eye, out, lse, dropout_p=p, rng_state=state)
+    keep = dropout_keep_mask(state.tolist(), b, h, n, n, p, device="cuda")
+    fwd_kept, bwd_kept = out.permute(0, 2, 1, 3), dv.permute(0, 2, 3, 1)  # (b, h, i, j)
+    assert torch.equal(fwd_kept != 0, keep), f"forward: {(fwd_kept != 0).ne(keep).sum().item()} scores differ"
+    assert torch.equal(bwd_kept != 0, keep), f"backward: {(bwd_kept != 0).ne(keep).sum().item()} scores differ"
+    kept_value = torch.tensor(1 / (n * (1 - p)), device="cuda").bfloat16().float()
+    for got in (fwd_kept, bwd_kept):
+        torch.testing.assert_close(got[keep].float(), kept_value.expand(int(keep.sum())), rtol=1e-2, atol=0)
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.02
+
+
+@gpu
+def test_packed_dropout_draws_per_sequence(require_kernel):
+    require_kernel("bwd", 64, torch.bfloat16)
+    lens_q, lens_k = [1, 90, 300, 47], [130, 90, 250, 47]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q, k, v = randn(sum(lens_q), 4, 64), randn(sum(lens_k), 2, 64), randn(sum(lens_k), 2, 64)
+    state, p = torch.tensor([42, 0], device="cuda"), 0.3
+    sizes = (cu_q, cu_k, max(lens_q), max(lens_k))
+    out, lse = fa2.fwd_varlen(q, k, v, *sizes, causal=True, dropout_p=p, rng_state=state)
+    dout = torch.randn_like(out)
+    dq, dk, dv = fa2.bwd_varlen(dout, q, k, v, out, lse, *sizes, causal=True, dropout_p=p, rng_state=state)
+    keep = dropout_keep_mask(state.tolist(), len(lens_q), 4, max(lens_q), max(lens_k), p, device="cuda")
+    for i in range(len(lens_q)):
+        sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        seq = [t[None, s] for t, s in ((q, sq), (k, sk), (v, sk))]
+        options = dict(causal=True, window_size=(-1, -1), softcap=0.0, dropout_p=p,
+                       dropout_keep=keep[i:i + 1, :, :lens_q[i], :lens_k[i]])
+        out64, _, g64 = _reference(*seq, None, dout[None, sq], options, True)
+        out_low, _, g_low = _reference(*seq, None, dout[None, sq], options, False)
+        assert_close_to_ref(out[None, sq], out64, out_low, name=f"out seq {i}")
+        scale = max(g.abs().max().item() for g in g64)
+        for name, g, r64, rl in zip(("dq", "dk", "dv"), (dq[None, sq], dk[None, sk], dv[None, sk]), g64, g_low):
+            assert_close_to_ref(g, r64, rl, name=f"{name} seq {i}", scale=scale)
+
+
+@gpu
+def test_dropout_is_reproducible_from_torch_manual_seed(require_kernel):
+    require_kernel("bwd", 64, torch.bfloat16)
+    q, k, v = (randn(2, 256, 4, 64, requires_grad=True) for _ in range(3))
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        out = fa2.attention(q, k, v, causal=True, dropout_p=0.2)
+        runs.append((out, *torch.autograd.grad(out.float().sum(), (q, k, v))))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+    assert not torch.equal(runs[0][0], runs[2][0])
+    plain = fa2.attention(q, k, v, causal=True)
+    kept = (runs[0][0] != 0).float().mean().item()  # a row of out is 0 only where every key was dropped
+    assert 0.99 < kept and not torch.equal(runs[0][0], plain)
+
+
+@gpu
+def test_dropout_draws_anew_at_each_cuda_graph_replay(require_kernel):
+    require_kernel("bwd", 64, torch.bfloat16)
+    q, k, v = (randn(1, 128, 2, 64, requires_grad=True) for _ in range(3))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph
+        fa2.attention(q, k, v, dropout_p=0.3).float().sum().backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fa2.attention(q, k, v, dropout_p=0.3)
+        dq, = torch.autograd.grad(out.float().sum(), (q,))
+    graph.replay()
+    first = (out.clone(), dq.clone())
+    graph.replay()
+    assert torch.isfinite(out).all() and torch.isfinite(dq).all()
+    assert not torch.equal(first[0], out) and not torch.equal(first[1], dq)

@@ -5,6 +5,7 @@ with fa2 against the same weights with SDPA, logits and every parameter gradient
 fp32 SDPA model: fa2's error may be at most twice SDPA's own bf16 error."""
 import copy
 import os
+import re
 import subprocess
 import sys
 import types
@@ -50,6 +51,9 @@ def calls(monkeypatch):
         record.append("attention")
         if q.is_cuda:
             return real["attention"](q, k, v, deterministic=deterministic, **options)
+        if options.get("dropout_p"):  # the stand-in draws its own mask
+            record.append(f"dropout_p={options['dropout_p']}")
+            options["dropout_keep"] = torch.rand(q.shape[0], q.shape[2], q.shape[1], k.shape[1]) >= options["dropout_p"]
         return attention_ref(q, k, v, **options)[0]
 
     def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, deterministic=False, **options):
@@ -121,11 +125,12 @@ def test_greedy_generation_with_left_padding_matches_sdpa(calls):
     assert torch.equal(ours.generate(ids, **kwargs), sdpa.generate(ids, **kwargs))
 
 
-def test_attention_dropout_in_training_raises(calls):
+def test_attention_dropout_reaches_fa2_in_training_only(calls):
     (model,) = models(llama_config(2, attention_dropout=0.1), ["fa2"])
-    with pytest.raises(NotImplementedError, match="dropout"):
-        model.train()(torch.randint(0, 256, (1, 8)))
-    model.eval()(torch.randint(0, 256, (1, 8)))  # no dropout in eval: fine
+    model.train()(torch.randint(0, 256, (1, 8)))
+    assert calls == ["attention", "dropout_p=0.1"] * 2
+    model.eval()(torch.randint(0, 256, (1, 8)))
+    assert calls[4:] == ["attention"] * 2
 
 
 UNSUPPORTED_KWARGS = [("position_bias", torch.zeros(1, 4, 8, 8))]
@@ -210,8 +215,27 @@ def compare_to_sdpa(config, ids, mask=None, compile=False, impl="sdpa"):
     (ref_logits, ref_grads), (sdpa_logits, sdpa_grads) = run(ref, ids, mask, labels), run(sdpa, ids, mask, labels)
     logits, grads = run(ours, ids, mask, labels, compile=compile)
     assert_as_close_as_sdpa(logits[keep], sdpa_logits[keep], ref_logits[keep], name="logits")
-    for name in ref_grads:
-        assert_as_close_as_sdpa(grads[name], sdpa_grads[name], ref_grads[name], name=f"grad {name}")
+    for group, names in gradient_groups(ref_grads).items():
+        pick = lambda g: torch.cat([g[name].flatten() for name in names])  # noqa: E731
+        assert_as_close_as_sdpa(pick(grads), pick(sdpa_grads), pick(ref_grads), name=f"grad {group}")
+
+
+def gradient_groups(names):
+    """The gradients compare_to_sdpa judges: group name -> the parameters whose gradients it judges as one tensor.
+    Each parameter alone, but a MoE router's weight and bias together, as the one affine map [weight | bias] they are
+    (the bias is the weight of a constant input): the bias's error then counts in proportion to its gradient's size.
+
+    A ratio of two models' errors says which is more accurate only where the error norm averages over many entries.
+    gpt-oss's router bias gradient, with 2 experts both routed to, is [x, -x]: one number, a sum over tokens that
+    cancels ~20x (median), so its relative error is one heavy-tailed draw. On a CPU, with fa2's kernels replaced by the
+    fp64 reference rounded to bf16 (a perfect bf16 kernel), gpt_oss_config's router bias alone failed the 2x test in
+    one layer or the other for ~35% of random ids (300 draws, with and without padding), at up to ~300x eager's error;
+    eager failed it as often against the perfect kernel. Router weight and bias together: no failure in those draws,
+    and an attention rounding P to 4 significant bits (bf16: 8) fails the pair as often as the weight alone."""
+    groups = {}
+    for name in names:
+        groups.setdefault(re.sub(r"(\.mlp\.router)\.(weight|bias)$", r"\1.{weight,bias}", name), []).append(name)
+    return groups
 
 
 @gpu
@@ -276,6 +300,17 @@ def test_feature_models_run_fa2_as_eager_does(name, config, calls):
     got, want = ours(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-4)
     assert calls == ["attention"] * 2 + ["attention_varlen"] * 2
+
+
+def test_gradient_groups_judge_every_parameter_once_and_only_routers_together():
+    (model,) = models(gpt_oss_config(), ["eager"])
+    names = [name for name, _ in model.named_parameters()]
+    groups = gradient_groups(names)
+    assert sorted(name for members in groups.values() for name in members) == sorted(names)
+    together = {group: members for group, members in groups.items() if len(members) > 1}
+    assert together == {f"model.layers.{i}.mlp.router.{{weight,bias}}": [f"model.layers.{i}.mlp.router.weight",
+                                                                       f"model.layers.{i}.mlp.router.bias"]
+                        for i in range(2)}
 
 
 @gpu

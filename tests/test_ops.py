@@ -16,7 +16,8 @@ from tolerance import assert_close_to_ref
 gpu = pytest.mark.gpu
 BF16 = torch.bfloat16
 
-FEATURES = "int window_left=-1, int window_right=-1, float softcap=0., Tensor? alibi_slopes=None"
+FEATURES = ("int window_left=-1, int window_right=-1, float softcap=0., Tensor? alibi_slopes=None, "
+            "float dropout_p=0., Tensor? rng_state=None")
 SCHEMAS = {
     "fwd": "fa2::fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale, bool causal, bool deterministic=False, "
            f"{FEATURES}, Tensor? sink=None) -> (Tensor, Tensor)",

@@ -261,14 +261,31 @@ def test_dropout_scales_the_kept_probabilities_after_the_softmax():
     torch.testing.assert_close(lse, torch.logsumexp(S, dim=-1), rtol=0, atol=1e-12)  # lse is the undropped one
 
 
-@pytest.mark.parametrize("counter, key, expected", [  # Random123's known-answer vectors for philox4x32-10
-    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+_PI_COUNTER, _PI_KEY = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)
+
+
+@pytest.mark.parametrize("rounds, counter, key, expected", [  # Random123's known-answer vectors (kat_vectors)
+    (10, (0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    (10, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (10, _PI_COUNTER, _PI_KEY, (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (7, (0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+    (7, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+    (7, _PI_COUNTER, _PI_KEY, (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
 ])
-def test_philox_matches_the_known_answers(counter, key, expected):
-    assert tuple(int(x) for x in philox4x32(counter, key)) == expected
+def test_philox_matches_the_known_answers(rounds, counter, key, expected):
+    assert tuple(int(x) for x in philox4x32(counter, key, rounds)) == expected
+
+
+def test_dropout_mask_takes_each_score_s_16_bits_of_its_group_s_philox_block():
+    """Score (i, j) of one (batch, head), spelled out with plain ints: its group's Philox4x32-7 block, then the
+    output and half its position selects."""
+    seed, offset, p, nheads = 0x1234_5678_9ABC_DEF0, 0x1_0000_0005, 0.25, 3
+    mask = dropout_keep_mask((seed, offset), 2, nheads, 24, 70, p)
+    for b, h, i, j in [(0, 0, 0, 0), (1, 2, 9, 33), (1, 1, 23, 69), (0, 2, 15, 38), (1, 0, 8, 1)]:
+        block = philox4x32((j & ~33, i & ~8, b * nheads + h, offset & 0xFFFFFFFF), (seed & 0xFFFFFFFF, seed >> 32),
+                           7)
+        word = int(block[2 * ((j >> 5) & 1) + ((i >> 3) & 1)])
+        assert mask[b, h, i, j].item() == (((word >> (16 * (j & 1))) & 0xFFFF) < int(0.75 * 65536))
 
 
 def test_dropout_mask_is_a_function_of_the_rng_state():
@@ -283,7 +300,7 @@ def test_dropout_mask_is_a_function_of_the_rng_state():
     n = a.numel()
     sigma = (n * p * (1 - p)) ** 0.5
     assert abs(a.sum().item() - n * (1 - p)) < 5 * sigma
-    for part in (a[..., 0::4], a[..., 3::4], a[:, :, 1::2], a[1]):  # each output lane, odd rows, one batch entry
+    for part in (a[..., 0::2], a[..., 1::2], a[..., 32:64], a[:, :, 8:16], a[:, :, 1::2], a[1]):  # each word/half
         m = part.numel()
         assert abs(part.sum().item() - m * (1 - p)) < 5 * (m * p * (1 - p)) ** 0.5
     assert dropout_keep_mask((1, 0), *shape, 0.0).all()

@@ -49,6 +49,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   const int2 m_blocks = query_blocks<kBlockM, kBlockN>(p, n_block, seq.seqlen_q, seq.seqlen_k);
   const int m_block_begin = m_blocks.x, m_block_end = m_blocks.y;
   const float alibi = alibi_slope(p, batch, head);
+  const DropoutDraw draw(p, batch, head);
 
   Tensor gQ = local_tile(seq.q_tensor<kHeadDim, const Element>(p.q, p.q_stride, batch, head), BlockQ{},
                          make_coord(_, 0));  // (kBlockM, kHeadDim, m_blocks)
@@ -156,8 +157,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
       cp_async_fence();
     }
 
-    bwd_p_ds_block<Traits>(p, sQ, sdO, sK, sV, sP, sdS, lse, d_sum, alibi, row_offset, col_offset, seq.seqlen_q,
-                           seq.seqlen_k);
+    bwd_p_ds_block<Traits>(p, sQ, sdO, sK, sV, sP, sdS, lse, d_sum, alibi, draw, row_offset, col_offset,
+                           seq.seqlen_q, seq.seqlen_k);
     __syncthreads();  // sP and sdS complete: every warp reads all of them below
 
     // This key block's share of dQ, added into the fp32 accumulator (softmax_scale applied later).
@@ -237,6 +238,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const __gr
   if (row_offset >= seq.seqlen_q) return;
   const KeyBlocks n_blocks = key_blocks<kBlockM, kBlockN>(p, m_block, seq.seqlen_q, seq.seqlen_k);
   const float alibi = alibi_slope(p, batch, head);
+  const DropoutDraw draw(p, batch, head);
 
   Tensor gQ = local_tile(seq.q_tensor<kHeadDim, const Element>(p.q, p.q_stride, batch, head), BlockQ{},
                          make_coord(m_block, 0));
@@ -282,7 +284,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const __gr
     cp_async_wait<0>();
     __syncthreads();
     bwd_p_ds_block<Traits>(p, sQ, sdO, sK, sV, sP, sdS, p.lse + seq.stats_row, p.d_sum + seq.stats_row, alibi,
-                           row_offset, col_offset, seq.seqlen_q, seq.seqlen_k);
+                           draw, row_offset, col_offset, seq.seqlen_q, seq.seqlen_k);
     __syncthreads();
     bwd_dq_tile<Traits>(acc_dq, sdS, sKt);
   }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cute/tensor.hpp>
 
+#include "fa2/dropout.h"
 #include "fa2/mask.h"
 #include "fa2/params.h"
 #include "fa2/utils.h"
@@ -24,12 +25,13 @@ __device__ __forceinline__ auto fragment_shape() {
 // One (query block, key block) tile, shared by both kernels: S = Q K^T (softcap: tanh(Q K^T * softcap_in)),
 // P = exp2(S*scale_log2 - lse*log2e) (the forward's probabilities, recomputed), dP = dO V^T, dS = P * (dP - D)
 // (softcap: times tanh's derivative); P and dS are written to shared memory. The caller synchronises before
-// reading sP / sdS.
+// reading sP / sdS. With dropout (Z kept, 1/(1-p) = dropout_scale): sP = P Z / (1-p) for dV, and
+// dS = P (Z dP / (1-p) - D), D = rowsum(dO O) being unchanged.
 template <typename Traits, typename SmemQ, typename SmemKV, typename SmemPdS>
 __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, SmemQ const& sdO, SmemKV const& sK,
                                          SmemKV const& sV, SmemPdS& sP, SmemPdS& sdS, const float* lse,
-                                         const float* d_sum, float alibi, int row_offset, int col_offset,
-                                         int seqlen_q, int seqlen_k) {
+                                         const float* d_sum, float alibi, DropoutDraw const& draw,
+                                         int row_offset, int col_offset, int seqlen_q, int seqlen_k) {
   using Element = typename Traits::Element;
   using BlockS = Shape<Int<Traits::kBlockMSdP>, Int<Traits::kBlockN>>;
   const int tid = threadIdx.x;
@@ -60,10 +62,14 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
   clear(acc_s);
   gemm_ss(mma, acc_s, tSrQ, tSrK, thr_a.partition_S(sQ), thr_b.partition_S(sK), copy_a, copy_b, thr_a, thr_b);
   const int diagonal = seqlen_k - seqlen_q;
-  if (p.softcap_in > 0.f) apply_softcap(acc_s, p.softcap_in);
-  if (alibi != 0.f) apply_alibi(acc_s, tScS, alibi, row_offset, col_offset, diagonal);
-  if (tile_needs_mask(p, row_offset, Traits::kBlockMSdP, col_offset, Traits::kBlockN, seqlen_q, seqlen_k)) {
-    apply_mask(acc_s, tScS, p, row_offset, col_offset, seqlen_q, seqlen_k);
+  // One branch for every score transform, as the mask alone had (a branch is a scheduling barrier in the loop
+  // every plain tile runs).
+  const bool mask = tile_needs_mask(p, row_offset, Traits::kBlockMSdP, col_offset, Traits::kBlockN, seqlen_q,
+                                    seqlen_k);
+  if (mask || p.softcap_in > 0.f || alibi != 0.f) {
+    if (p.softcap_in > 0.f) apply_softcap(acc_s, p.softcap_in);
+    if (alibi != 0.f) apply_alibi(acc_s, tScS, alibi, row_offset, col_offset, diagonal);
+    if (mask) apply_mask(acc_s, tScS, p, row_offset, col_offset, seqlen_q, seqlen_k);
   }
   Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
   CUTE_UNROLL
@@ -81,20 +87,46 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(dp); ++ni) dp(mi, ni) = s(mi, ni) * (dp(mi, ni) - d_row[mi]);
   }
-  if (p.softcap_in > 0.f) {
-    // d(softcap * tanh(x * softcap_in)) / dx = softmax_scale * (1 - tanh^2); softmax_scale is applied with the
-    // dQ / dK epilogues. tanh is recovered from P rather than kept from above: t = (log2 P + lse*log2e) /
-    // scale_log2 (less the ALiBi bias) costs one MUFU op per score and no registers across the dP GEMM. P = 0
-    // (masked, or too small to matter) has dS = 0 whatever t is.
-    const float inv_scale_log2 = 1.f / p.scale_log2;
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
-      const int row = row_offset + get<0>(c(mi, 0));
+  // The transforms, in a branch after the plain tile's work rather than between the GEMM and it.
+  const bool dropout = p.rng_state != nullptr;
+  if (dropout || p.softcap_in > 0.f) {
+    // Dropout's dS = P (Z dP / (1-p) - D): from the plain P (dP - D) above, a kept score's is that / (1-p) plus
+    // (1/(1-p) - 1) P D, a dropped one's -P D. The kept bits (bit mi * columns + ni) are drawn once, also for P below.
+    static_assert(decltype(size(acc_s))::value <= 64);
+    uint64_t kept_bits = 0;
+    if (dropout) {
+      const float scale = p.dropout_scale;
+      for_each_kept<Traits::kBlockN == 32 ? 0 : 1, /*kInline=*/false>(acc_dp, tScS, draw, row_offset, col_offset,
+          [&](int mi, int ni, bool kept) {
+            kept_bits |= uint64_t(kept) << (mi * size<1>(dp) + ni);
+            const float pd = s(mi, ni) * d_row[mi];
+            dp(mi, ni) = kept ? dp(mi, ni) * scale + (scale - 1.f) * pd : -pd;
+          });
+    }
+    if (p.softcap_in > 0.f) {
+      // d(softcap * tanh(x * softcap_in)) / dx = softmax_scale * (1 - tanh^2); softmax_scale is applied with the
+      // dQ / dK epilogues. tanh is recovered from P (before dropout) rather than kept from above: t = (log2 P +
+      // lse*log2e) / scale_log2 (less the ALiBi bias) costs one MUFU op per score and no registers across the dP
+      // GEMM. P = 0 (masked, or too small to matter) has dS = 0 whatever t is.
+      const float inv_scale_log2 = 1.f / p.scale_log2;
       CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(dp); ++ni) {
-        const float bias = alibi_bias(alibi, row, col_offset + get<1>(c(0, ni)), diagonal);
-        const float t = (__log2f(s(mi, ni)) + lse_log2[mi]) * inv_scale_log2 - bias;
-        dp(mi, ni) = s(mi, ni) > 0.f ? dp(mi, ni) * (1.f - t * t) : 0.f;
+      for (int mi = 0; mi < kRows; ++mi) {
+        const int row = row_offset + get<0>(c(mi, 0));
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(dp); ++ni) {
+          const float bias = alibi_bias(alibi, row, col_offset + get<1>(c(0, ni)), diagonal);
+          const float t = (__log2f(s(mi, ni)) + lse_log2[mi]) * inv_scale_log2 - bias;
+          dp(mi, ni) = s(mi, ni) > 0.f ? dp(mi, ni) * (1.f - t * t) : 0.f;
+        }
+      }
+    }
+    if (dropout) {  // P becomes what the forward multiplied V by: dropped, the kept rescaled
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(s); ++ni) {
+          s(mi, ni) = (kept_bits >> (mi * size<1>(s) + ni)) & 1 ? s(mi, ni) * p.dropout_scale : 0.f;
+        }
       }
     }
   }
@@ -111,8 +143,9 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
 template <typename Traits, typename SmemQ, typename SmemKV, typename SmemPdS>
 __device__ __forceinline__ void bwd_p_ds_block(BwdParams const& p, SmemQ const& sQ, SmemQ const& sdO,
                                                SmemKV const& sK, SmemKV const& sV, SmemPdS& sP, SmemPdS& sdS,
-                                               const float* lse, const float* d_sum, float alibi, int row_offset,
-                                               int col_offset, int seqlen_q, int seqlen_k) {
+                                               const float* lse, const float* d_sum, float alibi,
+                                               DropoutDraw const& draw, int row_offset, int col_offset, int seqlen_q,
+                                               int seqlen_k) {
   constexpr int kSlab = Traits::kBlockMSdP;
   using SlabQ = Shape<Int<kSlab>, Int<Traits::kHeadDim>>;
   using SlabS = Shape<Int<kSlab>, Int<Traits::kBlockN>>;
@@ -121,7 +154,8 @@ __device__ __forceinline__ void bwd_p_ds_block(BwdParams const& p, SmemQ const& 
     Tensor sP_h = local_tile(sP, SlabS{}, make_coord(h, 0));
     Tensor sdS_h = local_tile(sdS, SlabS{}, make_coord(h, 0));
     bwd_p_ds<Traits>(p, local_tile(sQ, SlabQ{}, make_coord(h, 0)), local_tile(sdO, SlabQ{}, make_coord(h, 0)), sK,
-                     sV, sP_h, sdS_h, lse, d_sum, alibi, row_offset + h * kSlab, col_offset, seqlen_q, seqlen_k);
+                     sV, sP_h, sdS_h, lse, d_sum, alibi, draw, row_offset + h * kSlab, col_offset, seqlen_q,
+                     seqlen_k);
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "fa2/dropout.h"
 #include "fa2/mask.h"
 #include "fa2/params.h"
 #include "fa2/schedule.h"
@@ -17,7 +18,10 @@
 namespace fa2 {
 using namespace cute;
 
-template <typename Traits>
+// kScoreTransforms: softcap, ALiBi and dropout compiled in (the launch picks the instance without them when none is
+// on: their code costs the plain loop registers and scheduling, docs/tuning.md#features-off). Window and sink are
+// always in: they move loop bounds and the epilogue, not the loop.
+template <typename Traits, bool kScoreTransforms>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ FwdParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -95,19 +99,33 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
 
   // One key block's two GEMMs and the softmax between them; sK/sV hold its K and V at `kv_offset`.
   // P goes to the second MMA as its A operand, straight from registers.
-  const float alibi = alibi_slope(p, batch, head);
+  const float alibi = kScoreTransforms ? alibi_slope(p, batch, head) : 0.f;
+  const bool softcap = kScoreTransforms && p.softcap_in > 0.f;
+  const bool transform_scores = softcap || alibi != 0.f;
+  const bool dropout = kScoreTransforms && p.rng_state != nullptr;
   auto s_gemm = [&](auto& acc_s, int n_block, int kv_offset) {
     clear(acc_s);
     gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, make_tensor(tSsK.data() + kv_offset, tSsK.layout()), smem_copy_q,
             smem_copy_k, smem_thr_q, smem_thr_k);
-    if (p.softcap_in > 0.f) apply_softcap(acc_s, p.softcap_in);
-    if (alibi != 0.f) apply_alibi(acc_s, tScS, alibi, row_offset, n_block * kBlockN, seq.seqlen_k - seq.seqlen_q);
-    if (n_block >= blocks.right_masked_begin || n_block < blocks.left_masked_end) {
-      apply_mask(acc_s, tScS, p, row_offset, n_block * kBlockN, seq.seqlen_q, seq.seqlen_k);
+    // One branch for all of them, as the mask alone had: each branch between the GEMM and the softmax is a
+    // scheduling barrier in the loop every plain tile runs.
+    const bool mask = n_block >= blocks.right_masked_begin || n_block < blocks.left_masked_end;
+    if (transform_scores || mask) {
+      if (softcap) apply_softcap(acc_s, p.softcap_in);
+      if (alibi != 0.f) apply_alibi(acc_s, tScS, alibi, row_offset, n_block * kBlockN, seq.seqlen_k - seq.seqlen_q);
+      if (mask) apply_mask(acc_s, tScS, p, row_offset, n_block * kBlockN, seq.seqlen_q, seq.seqlen_k);
     }
   };
-  auto softmax_pv = [&](auto& acc_s, int kv_offset) {
-    softmax.update(acc_s, acc_o, p.scale_log2);
+  const DropoutDraw draw(p, batch, head);
+  auto softmax_pv = [&](auto& acc_s, int n_block, int kv_offset) {
+    softmax.update(acc_s, acc_o, p.scale_log2);  // l sums the probabilities before dropout
+    if (dropout) {
+      Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
+      for_each_kept<kBlockN >= 64 ? 4 : 0, /*kInline=*/true>(acc_s, tScS, draw, row_offset, n_block * kBlockN,
+                                                             [&](int mi, int ni, bool kept) {
+                                                               if (!kept) s(mi, ni) = 0.f;
+                                                             });
+    }
     Tensor rP = convert_type<Element>(acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
     gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, make_tensor(tOsVt.data() + kv_offset, tOsVt.layout()), smem_copy_v,
@@ -152,7 +170,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         cp_async_fence();
       }
       s_gemm(acc_s, n_block, stage * kKVElems);
-      softmax_pv(acc_s, stage * kKVElems);
+      softmax_pv(acc_s, n_block, stage * kKVElems);
     };
     if constexpr (Traits::kUnrollStages) {
       for (int n_block = n_block_end - 1; n_block >= n_block_begin; n_block -= 2) {
@@ -181,13 +199,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         load_next(kWhole, tKgKn, k_block_step, tKsK, 0, kBlockN);
         cp_async_fence();
       }
-      softmax_pv(acc_s, 0);
+      softmax_pv(acc_s, n_block, 0);
     }
   }
 
   // Epilogue: normalise, write lse, stage O through shared memory for 16-byte coalesced stores.
   float lse[kRowsPerThread];
-  softmax.finalize(acc_o, p.score_scale, p.sink == nullptr ? nullptr : p.sink + head, lse);
+  softmax.finalize(acc_o, p.score_scale, p.sink == nullptr ? nullptr : p.sink + head, p.dropout_scale, lse);
   {
     Tensor c = make_tensor(tOcO.data(), rowcol_layout(tOcO.layout()));
     float* lse_row = p.lse + seq.stats_row + row_offset;

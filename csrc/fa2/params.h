@@ -38,6 +38,12 @@ struct FwdParams {
   // alibi_batch_stride = nheads, or (nheads,) with stride 0; nullptr: none.
   const float* alibi_slopes = nullptr;
   int alibi_batch_stride = 0;
+  // Dropout (dropout.h): rng_state = (seed, offset), int64 on the device (drawn by torch's generator per call, so
+  // CUDA-graph replays draw anew); nullptr: none. A score is kept iff its draw is below dropout_threshold, and kept
+  // probabilities are scaled by dropout_scale = 1 / (1 - dropout_p).
+  const int64_t* rng_state = nullptr;
+  uint32_t dropout_threshold = 0;
+  float dropout_scale = 1.f;
   int head_group = 0;      // causal: heads whose blocks are dispatched heaviest first together; 0 = chosen
                            // at launch (launch.h); a test may force another divisor of nheads
   int smem_limit = 0;      // shared memory a block may use, bytes; 0 = the device's opt-in maximum. A test
@@ -51,6 +57,11 @@ struct FwdParams {
   const int* cu_seqlens_k = nullptr;
   int total_q = 0, total_k = 0;
 };
+
+// Whether any per-score transform is on: softcap, ALiBi or dropout (the forward has an instance without them).
+inline bool has_score_transforms(FwdParams const& p) {
+  return p.softcap_in > 0.f || p.alibi_slopes != nullptr || p.rng_state != nullptr;
+}
 
 struct BwdParams : FwdParams {
   const void* dout = nullptr;

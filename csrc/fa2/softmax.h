@@ -95,11 +95,12 @@ struct OnlineSoftmax {
     }
   }
 
-  // O = acc / l and lse = m*scale + log(l), scale being the factor the scores are scaled by. A sink logit
-  // (nullptr: none) joins l as exp(sink) with no value; the row's max is raised to it first, so exp never
-  // overflows. Rows with l == 0 (no key and no sink) give O = 0, lse = -inf.
+  // O = out_scale * acc / l and lse = m*scale + log(l), scale being the factor the scores are scaled by (out_scale:
+  // dropout's 1 / (1 - p), else 1). A sink logit (nullptr: none) joins l as exp(sink) with no value; the row's max
+  // is raised to it first, so exp never overflows. Rows with l == 0 (no key and no sink) give O = 0, lse = -inf.
   template <typename TensorO>
-  __device__ __forceinline__ void finalize(TensorO& acc_o, float scale, const float* sink, float (&lse)[kNRows]) {
+  __device__ __forceinline__ void finalize(TensorO& acc_o, float scale, const float* sink, float out_scale,
+                                           float (&lse)[kNRows]) {
     Tensor o = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
@@ -113,7 +114,7 @@ struct OnlineSoftmax {
         m = m_new;
       }
       const bool empty = l == 0.f || l != l;
-      const float inv_l = empty ? 1.f : o_factor / l;
+      const float inv_l = empty ? 1.f : o_factor * out_scale / l;
       lse[mi] = empty ? -INFINITY : m + __logf(l);
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(o); ++ni) o(mi, ni) *= inv_l;

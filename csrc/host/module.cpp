@@ -116,6 +116,9 @@ PyObject* take_recorded_launches(PyObject*, PyObject*) {
     set_item(d, "softcap_in", PyFloat_FromDouble(p.softcap_in)), set_item(d, "sink", ptr(p.sink));
     set_item(d, "alibi_slopes", ptr(p.alibi_slopes));
     set_item(d, "alibi_batch_stride", PyLong_FromLong(p.alibi_batch_stride));
+    set_item(d, "rng_state", ptr(p.rng_state));
+    set_item(d, "dropout_threshold", PyLong_FromUnsignedLong(p.dropout_threshold));
+    set_item(d, "dropout_scale", PyFloat_FromDouble(p.dropout_scale));
     set_item(d, "cu_seqlens_q", ptr(p.cu_seqlens_q)), set_item(d, "cu_seqlens_k", ptr(p.cu_seqlens_k));
     set_item(d, "total_q", PyLong_FromLong(p.total_q)), set_item(d, "total_k", PyLong_FromLong(p.total_k));
     if (l.kind == "bwd") {

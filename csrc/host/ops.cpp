@@ -199,6 +199,8 @@ struct Features {
   int64_t window_left = -1, window_right = -1;
   double softcap = 0.0;
   const Tensor* alibi_slopes = nullptr;
+  double dropout_p = 0.0;
+  const Tensor* rng_state = nullptr;
   const Tensor* sink = nullptr;
 };
 
@@ -230,6 +232,20 @@ void check_features(const Features& f, bool causal, const Tensor& q, int64_t bat
       value_error("alibi_slopes must be a contiguous (nheads=" + std::to_string(nheads) + ",) or (batch=" +
                   std::to_string(batch) + ", nheads=" + std::to_string(nheads) + ") tensor, got shape " +
                   str(a.sizes()) + " and strides " + str(a.strides()));
+    }
+  }
+  if (!(f.dropout_p >= 0.0 && f.dropout_p < 1.0)) {
+    value_error("dropout_p must be in [0, 1), got " + str(f.dropout_p));
+  }
+  if (f.dropout_p > 0.0) {
+    if (f.rng_state == nullptr) {
+      value_error("dropout_p=" + str(f.dropout_p) + " needs rng_state, the (seed, offset) the mask is drawn from: an "
+                  "int64 tensor of shape (2,) on q's device (fa2.attention draws one from torch's generator)");
+    }
+    const Tensor& r = *f.rng_state;
+    if (r.scalar_type() != ScalarType::Long || r.dim() != 1 || r.size(0) != 2 || !r.is_contiguous()) {
+      value_error("rng_state must be a contiguous int64 tensor of shape (2,) (seed, offset), got " +
+                  str(r.scalar_type()) + " of shape " + str(r.sizes()));
     }
   }
   if (f.sink == nullptr) return;
@@ -454,6 +470,11 @@ void fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v
   p.sink = f.sink ? static_cast<const float*>(f.sink->data_ptr()) : nullptr;
   p.alibi_slopes = f.alibi_slopes ? static_cast<const float*>(f.alibi_slopes->data_ptr()) : nullptr;
   p.alibi_batch_stride = f.alibi_slopes && f.alibi_slopes->dim() == 2 ? p.nheads : 0;
+  if (f.dropout_p > 0.0) {  // fa2.reference.dropout_keep_mask: kept iff 16 drawn bits < floor((1 - p) * 2^16)
+    p.rng_state = static_cast<const int64_t*>(f.rng_state->data_ptr());
+    p.dropout_threshold = uint32_t(std::floor((1.0 - f.dropout_p) * 65536.0));
+    p.dropout_scale = float(1.0 / (1.0 - f.dropout_p));
+  }
   p.cu_seqlens_q = cu_q ? static_cast<const int*>(cu_q->data_ptr()) : nullptr;
   p.cu_seqlens_k = cu_k ? static_cast<const int*>(cu_k->data_ptr()) : nullptr;
   p.total_q = s.total_q, p.total_k = s.total_k;
@@ -544,7 +565,7 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
   if (!recording()) {
     check_devices({{"q", &q}, {"k", &k}, {"v", &v}, {"out", out_buffer ? &*out_buffer : nullptr},
                    {"cu_seqlens_q", cu_q}, {"cu_seqlens_k", cu_k}, {"sink", f.sink},
-                   {"alibi_slopes", f.alibi_slopes}});
+                   {"alibi_slopes", f.alibi_slopes}, {"rng_state", f.dropout_p > 0.0 ? f.rng_state : nullptr}});
   }
   const DType dtype = to_dtype(q.scalar_type());
   const int kernel_dim = pick_head_dim(kFwdInstances, int(q.size(-1)), dtype, "fwd");  // before any allocation
@@ -587,7 +608,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
     check_devices({{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"dout", &dout_in}, {"lse", &lse},
                    {"dq", dq_buffer ? &*dq_buffer : nullptr}, {"dk", dk_buffer ? &*dk_buffer : nullptr},
                    {"dv", dv_buffer ? &*dv_buffer : nullptr}, {"cu_seqlens_q", cu_q}, {"cu_seqlens_k", cu_k},
-                   {"alibi_slopes", f.alibi_slopes}});
+                   {"alibi_slopes", f.alibi_slopes}, {"rng_state", f.dropout_p > 0.0 ? f.rng_state : nullptr}});
   }
   const DType dtype = to_dtype(q.scalar_type());
   const int kernel_dim = pick_head_dim(kBwdInstances, int(q.size(-1)), dtype, "bwd");
@@ -647,16 +668,17 @@ const Tensor* opt(const std::optional<Tensor>& t) { return t ? &*t : nullptr; }
 std::tuple<Tensor, Tensor> fwd(Tensor q, Tensor k, Tensor v, std::optional<double> softmax_scale, bool causal,
                                bool /*deterministic: the backward's, saved by autograd*/, int64_t window_left,
                                int64_t window_right, double softcap, std::optional<Tensor> alibi_slopes,
-                               std::optional<Tensor> sink) {
-  const Features f{window_left, window_right, softcap, opt(alibi_slopes), opt(sink)};
+                               double dropout_p, std::optional<Tensor> rng_state, std::optional<Tensor> sink) {
+  const Features f{window_left, window_right, softcap, opt(alibi_slopes), dropout_p, opt(rng_state), opt(sink)};
   return forward(q, k, v, nullptr, nullptr, 0, 0, softmax_scale, causal, f, std::nullopt);
 }
 
 std::tuple<Tensor, Tensor> fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k,
                                       int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> softmax_scale,
                                       bool causal, bool /*deterministic*/, int64_t window_left, int64_t window_right,
-                                      double softcap, std::optional<Tensor> alibi_slopes, std::optional<Tensor> sink) {
-  const Features f{window_left, window_right, softcap, opt(alibi_slopes), opt(sink)};
+                                      double softcap, std::optional<Tensor> alibi_slopes, double dropout_p,
+                                      std::optional<Tensor> rng_state, std::optional<Tensor> sink) {
+  const Features f{window_left, window_right, softcap, opt(alibi_slopes), dropout_p, opt(rng_state), opt(sink)};
   return forward(q, k, v, &cu_seqlens_q, &cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, f,
                  std::nullopt);
 }
@@ -666,8 +688,9 @@ std::tuple<Tensor, Tensor> fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_se
 std::tuple<Tensor, Tensor, Tensor> bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
                                        std::optional<double> softmax_scale, bool causal, bool deterministic,
                                        int64_t window_left, int64_t window_right, double softcap,
-                                       std::optional<Tensor> alibi_slopes) {
-  const Features f{window_left, window_right, softcap, opt(alibi_slopes), nullptr};
+                                       std::optional<Tensor> alibi_slopes, double dropout_p,
+                                       std::optional<Tensor> rng_state) {
+  const Features f{window_left, window_right, softcap, opt(alibi_slopes), dropout_p, opt(rng_state), nullptr};
   return backward(dout, q, k, v, out, lse, nullptr, nullptr, 0, 0, softmax_scale, causal, f, deterministic,
                   std::nullopt, std::nullopt, std::nullopt);
 }
@@ -676,8 +699,9 @@ std::tuple<Tensor, Tensor, Tensor> bwd_varlen(Tensor dout, Tensor q, Tensor k, T
                                               Tensor cu_seqlens_q, Tensor cu_seqlens_k, int64_t max_seqlen_q,
                                               int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal,
                                               bool deterministic, int64_t window_left, int64_t window_right,
-                                              double softcap, std::optional<Tensor> alibi_slopes) {
-  const Features f{window_left, window_right, softcap, opt(alibi_slopes), nullptr};
+                                              double softcap, std::optional<Tensor> alibi_slopes, double dropout_p,
+                                              std::optional<Tensor> rng_state) {
+  const Features f{window_left, window_right, softcap, opt(alibi_slopes), dropout_p, opt(rng_state), nullptr};
   return backward(dout, q, k, v, out, lse, &cu_seqlens_q, &cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                   causal, f, deterministic, std::nullopt, std::nullopt, std::nullopt);
 }
@@ -686,20 +710,21 @@ std::tuple<Tensor, Tensor, Tensor> bwd_varlen(Tensor dout, Tensor q, Tensor k, T
 Tensor fwd_out(Tensor q, Tensor k, Tensor v, std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k,
                int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal, Tensor out,
                int64_t window_left, int64_t window_right, double softcap, std::optional<Tensor> alibi_slopes,
-               std::optional<Tensor> sink) {
+               double dropout_p, std::optional<Tensor> rng_state, std::optional<Tensor> sink) {
   const Tensor* cu_q = cu_seqlens_q ? &*cu_seqlens_q : nullptr;
   const Tensor* cu_k = cu_seqlens_k ? &*cu_seqlens_k : nullptr;
-  const Features f{window_left, window_right, softcap, opt(alibi_slopes), opt(sink)};
+  const Features f{window_left, window_right, softcap, opt(alibi_slopes), dropout_p, opt(rng_state), opt(sink)};
   return std::get<1>(forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, f, out));
 }
 
 void bwd_out(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::optional<Tensor> cu_seqlens_q,
              std::optional<Tensor> cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
              std::optional<double> softmax_scale, bool causal, bool deterministic, Tensor dq, Tensor dk, Tensor dv,
-             int64_t window_left, int64_t window_right, double softcap, std::optional<Tensor> alibi_slopes) {
+             int64_t window_left, int64_t window_right, double softcap, std::optional<Tensor> alibi_slopes,
+             double dropout_p, std::optional<Tensor> rng_state) {
   const Tensor* cu_q = cu_seqlens_q ? &*cu_seqlens_q : nullptr;
   const Tensor* cu_k = cu_seqlens_k ? &*cu_seqlens_k : nullptr;
-  const Features f{window_left, window_right, softcap, opt(alibi_slopes), nullptr};
+  const Features f{window_left, window_right, softcap, opt(alibi_slopes), dropout_p, opt(rng_state), nullptr};
   backward(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, f, deterministic, dq,
            dk, dv);
 }

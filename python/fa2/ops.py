@@ -23,9 +23,10 @@ from torch import Tensor
 
 _LIB = torch.library.Library("fa2", "DEF")
 # The options beyond plain attention, last in every schema (fa2.reference has their meaning): the band of visible
-# keys, softcap, ALiBi slopes (fp32), and in the forward the per-head sink logits (fp32). The backward needs no sink:
-# lse includes it.
-_FEATURES = "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None"
+# keys, softcap, ALiBi slopes (fp32), dropout with the (seed, offset) it draws from (int64, on the device), and in the
+# forward the per-head sink logits (fp32). The backward needs no sink: lse includes it.
+_FEATURES = ("int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
+             "float dropout_p=0.0, Tensor? rng_state=None")
 _SINK = "Tensor? sink=None"
 _SCHEMAS = {
     "fwd": "fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale, bool causal, bool deterministic=False, "
@@ -173,6 +174,16 @@ def sink_logits(sink: Optional[Tensor]) -> Optional[Tensor]:
     return sink.float().contiguous()
 
 
+def dropout_state(dropout_p: float, device) -> Optional[Tensor]:
+    """A fresh (seed, offset) for one call's dropout mask, drawn from torch's generator for `device` (so
+    torch.manual_seed reproduces it, and a captured CUDA graph draws anew at each replay); None without dropout."""
+    if not dropout_p:
+        return None
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return torch.randint(-2 ** 63, 2 ** 63 - 1, (2,), dtype=torch.int64, device=device)
+
+
 def slopes(alibi_slopes: Optional[Tensor]) -> Optional[Tensor]:
     """ALiBi slopes as the kernels read them (fp32, contiguous, no gradient: flash-attn gives them none)."""
     if alibi_slopes is None:
@@ -204,21 +215,24 @@ def pad_head_dim(*tensors: Tensor):
 
 # ----------------------------------------------------------------------------------------------- autograd
 def _setup_context(ctx, inputs, output):
-    """Save q, k, v, out and lse (O(seqlen) memory: no seqlen_q x seqlen_k tensor), the ALiBi slopes and the sink
-    (or None) and, for varlen, the cu_seqlens; keep the other arguments. The bwd ops take them in this order:
-    tensors, then the rest, then the slopes (the forward's last two inputs are the slopes and the sink)."""
-    q, k, v, *rest, alibi_slopes, sink = inputs
+    """Save q, k, v, out and lse (O(seqlen) memory: no seqlen_q x seqlen_k tensor), the ALiBi slopes, the dropout
+    state and the sink (each or None) and, for varlen, the cu_seqlens; keep the other arguments. The bwd ops take
+    them in this order: tensors, the rest, then the slopes, dropout_p and the dropout state (the forward's last four
+    inputs are the slopes, dropout_p, the state and the sink)."""
+    q, k, v, *rest, alibi_slopes, dropout_p, rng_state, sink = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sink, *(a for a in rest if isinstance(a, Tensor)))
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state, sink,
+                          *(a for a in rest if isinstance(a, Tensor)))
     ctx.args = [a for a in rest if not isinstance(a, Tensor)]
+    ctx.dropout_p = dropout_p
     ctx.mark_non_differentiable(lse)  # the kernels have no gradient for lse
 
 
 def _grads(ctx, bwd, dout, saved):
     """The gradients of every forward input: dq, dk, dv from the bwd op, None for the options (ALiBi slopes
     included, as in flash-attn), dsink last."""
-    q, k, v, out, lse, alibi_slopes, sink, *cu_seqlens = saved
-    grads = bwd(dout, q, k, v, out, lse, *cu_seqlens, *ctx.args, alibi_slopes)
+    q, k, v, out, lse, alibi_slopes, rng_state, sink, *cu_seqlens = saved
+    grads = bwd(dout, q, k, v, out, lse, *cu_seqlens, *ctx.args, alibi_slopes, ctx.dropout_p, rng_state)
     dsink = None
     if sink is not None and ctx.needs_input_grad[-1]:
         dsink = sink_grad(dout, out, lse, sink, cu_seqlens[0] if cu_seqlens else None)
@@ -226,7 +240,7 @@ def _grads(ctx, bwd, dout, saved):
 
 
 def _backward(ctx, dout, _dlse):  # traced by AOT autograd: calls the bwd ops
-    varlen = len(ctx.saved_tensors) > 7
+    varlen = len(ctx.saved_tensors) > 8
     return _grads(ctx, torch.ops.fa2.bwd_varlen if varlen else torch.ops.fa2.bwd, dout, ctx.saved_tensors)
 
 
@@ -243,19 +257,19 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, *args):
         varlen = isinstance(args[0], Tensor)
         out, lse = call(FWD_VARLEN if varlen else FWD, q, k, v, *args)
-        alibi_slopes, sink = args[-2:]
+        alibi_slopes, ctx.dropout_p, rng_state, sink = args[-4:]
         if varlen:
-            ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sink, args[0], args[1])
-            ctx.args = args[2:-2]
+            ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state, sink, args[0], args[1])
+            ctx.args = args[2:-4]
         else:
-            ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sink)
-            ctx.args = args[:-2]
+            ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state, sink)
+            ctx.args = args[:-4]
         return out
 
     @staticmethod
     def backward(ctx, dout):
         saved = ctx.saved_tensors
-        return _grads(ctx, lambda *a: call(BWD_VARLEN if len(saved) > 7 else BWD, *a), dout, saved)
+        return _grads(ctx, lambda *a: call(BWD_VARLEN if len(saved) > 8 else BWD, *a), dout, saved)
 
 
 # Function.apply without its Python wrapper (which binds arguments and filters them on every call); what it does
@@ -266,8 +280,8 @@ _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 def _attend(op, q, k, v, *args) -> Tensor:
     head_dim = unaligned_head_dim(q, k, v)
-    if head_dim:  # zero-padded; softmax_scale (args[-8] of both ops) from the true head dim
-        args = (*args[:-8], true_scale(args[-8], head_dim), *args[-7:])
+    if head_dim:  # zero-padded; softmax_scale (args[-10] of both ops) from the true head dim
+        args = (*args[:-10], true_scale(args[-10], head_dim), *args[-9:])
         return _attend(op, *pad_head_dim(q, k, v), *args)[..., :head_dim]
     if torch.is_autocast_enabled("cuda"):  # floating inputs run in the autocast dtype, as for torch's own SDPA
         dtype = torch.get_autocast_dtype("cuda")
@@ -297,7 +311,7 @@ def _attend(op, q, k, v, *args) -> Tensor:
 # ----------------------------------------------------------------------------------------------- public
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
               deterministic: bool = False, window_size=(-1, -1), softcap: float = 0.0,
-              alibi_slopes: Optional[Tensor] = None, sink: Optional[Tensor] = None) -> Tensor:
+              alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0, sink: Optional[Tensor] = None) -> Tensor:
     """softmax(q k^T * softmax_scale [causal mask]) v, differentiable in q, k and v. Layout
     (batch, seqlen, nheads, head_dim); k and v may have fewer heads (GQA/MQA). Any head_dim up to 256: one that is
     not a multiple of 8 runs zero-padded (a copy; softmax_scale defaults to the true head_dim ** -0.5). Returns out,
@@ -306,19 +320,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_
     As in flash-attn: window_size=(left, right) lets query i see keys i + seqlen_k - seqlen_q - left through
     i + seqlen_k - seqlen_q + right (-1: unbounded; causal is right = 0); softcap > 0 turns scores s into
     softcap * tanh(s / softcap); alibi_slopes, fp32 (nheads,) or (batch, nheads), add
-    -slope * |i + seqlen_k - seqlen_q - j| to score (i, j). sink: (nheads,) logits that join each row's softmax
-    denominator with no value (gpt-oss), differentiable."""
+    -slope * |i + seqlen_k - seqlen_q - j| to score (i, j). dropout_p > 0 drops probabilities after the softmax
+    (a fresh mask per call from torch's generator; the backward regenerates it). sink: (nheads,) logits that join
+    each row's softmax denominator with no value (gpt-oss), differentiable."""
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         check_tensors(q=q, k=k, v=v)
     left, right = window(window_size)
     return _attend(FWD, q, k, v, softmax_scale, bool(causal), bool(deterministic), left, right, float(softcap),
-                   slopes(alibi_slopes), sink_logits(sink))
+                   slopes(alibi_slopes), float(dropout_p), dropout_state(dropout_p, q.device), sink_logits(sink))
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, *, causal: bool = False, softmax_scale: Optional[float] = None,
                      deterministic: bool = False, window_size=(-1, -1), softcap: float = 0.0,
-                     alibi_slopes: Optional[Tensor] = None, sink: Optional[Tensor] = None) -> Tensor:
+                     alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
+                     sink: Optional[Tensor] = None) -> Tensor:
     """fa2.attention over packed sequences (layout as fa2.fwd_varlen): q (total_q, nheads, head_dim), k and v
     (total_k, nheads_k, head_dim), sequence b owning rows [cu_seqlens[b], cu_seqlens[b + 1]). The options are
     fa2.attention's, per sequence."""
@@ -328,4 +344,4 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     left, right = window(window_size)
     return _attend(FWD_VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                    bool(causal), bool(deterministic), left, right, float(softcap), slopes(alibi_slopes),
-                   sink_logits(sink))
+                   float(dropout_p), dropout_state(dropout_p, q.device), sink_logits(sink))

@@ -63,7 +63,7 @@ def alibi_bias(slopes: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, seq
     return -slopes[:, :, None, None] * distance
 
 
-# Philox4x32-10 (Salmon et al., SC'11; the generator of torch's and flash-attn's CUDA dropout): constants of the
+# Philox4x32 (Salmon et al., SC'11; torch's CUDA generator runs 10 rounds, flash-attn's dropout 7): constants of the
 # round function and of the key schedule.
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)
@@ -88,20 +88,24 @@ def philox4x32(counter, key, rounds: int = 10):
 def dropout_keep_mask(rng_state, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
                       device=None) -> torch.Tensor:
     """The kept elements (bool, (batch, nheads, seqlen_q, seqlen_k)) of dropout drawn from rng_state = (seed,
-    offset): score (b, h, i, j) draws Philox4x32-10 with key (seed's low and high 32 bits) and counter
-    (j // 4, i, b * nheads + h, offset's low 32 bits), takes output j % 4 and is kept iff it is below
-    floor((1 - dropout_p) * 2^32). Rows and columns count within each sequence (packed batches: b is the sequence).
-    The kernels are to draw the same bits (not implemented yet); the mask for attention_ref(dropout_keep=...)."""
+    offset), as the kernels draw them. Eight scores share one Philox4x32-7 block (flash-attn's round count): rows
+    i and i ^ 8 times columns j, j ^ 1, j ^ 32, j ^ 33, the scores one thread holds in both kernels' MMA tiles.
+    The block's key is the seed's low and high 32 bits, its counter (j & ~33, i & ~8, b * nheads + h, offset's
+    low 32 bits); score (b, h, i, j) takes 16 bits of it, output 2 * bit 5 of j + bit 3 of i, half bit 0 of j,
+    and is kept iff they are below floor((1 - dropout_p) * 2^16). Rows and columns count within each sequence
+    (packed batches: b is the sequence). The mask for attention_ref(dropout_keep=...)."""
     seed, offset = (int(x) for x in rng_state)
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(nheads, device=device).view(1, -1, 1, 1)
     i = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
     j = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
-    outs = philox4x32((j // 4, i, b * nheads + h, offset & _U32), (seed & _U32, (seed >> 32) & _U32))
-    draw = torch.stack(torch.broadcast_tensors(*outs), dim=-1).gather(-1, (j % 4).expand(batch, nheads, seqlen_q,
-                                                                                           seqlen_k)[..., None])
-    threshold = math.floor((1.0 - dropout_p) * 2 ** 32)
-    return draw[..., 0] < threshold
+    outs = philox4x32((j & ~33, i & ~8, b * nheads + h, offset & _U32), (seed & _U32, (seed >> 32) & _U32),
+                      rounds=7)
+    word = 2 * ((j >> 5) & 1) + ((i >> 3) & 1)
+    shape = (batch, nheads, seqlen_q, seqlen_k)
+    draw = torch.stack(torch.broadcast_tensors(*outs), dim=-1).gather(-1, word.expand(shape)[..., None])[..., 0]
+    bits16 = (draw >> (16 * (j & 1))) & 0xFFFF
+    return bits16 < math.floor((1.0 - dropout_p) * 2 ** 16)
 
 
 def check_options(*, causal: bool, window_size, softcap: float, dropout_p: float) -> Tuple[int, int]:

@@ -4,14 +4,13 @@
 
 Argument names, order, defaults and the return value (the output tensor) are those of flash-attn 2.8's
 flash_attn/flash_attn_interface.py. Options fa2 does not implement raise NotImplementedError naming the
-option, before any other check: a silently ignored dropout would train a different model."""
+option, before any other check."""
 from __future__ import annotations
 
 from fa2.ops import attention, attention_varlen, window
 
 # Each option fa2 lacks: (name, its "off" test, what it would have done).
 _UNSUPPORTED = (
-    ("dropout_p", lambda x: x == 0, "attention dropout"),
     ("return_attn_probs", lambda x: not x, "returning the softmax lse and attention probabilities"),
     ("block_table", lambda x: x is None, "a paged KV cache"),
 )
@@ -35,9 +34,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """fa2.attention under flash-attn's signature. q: (batch, seqlen_q, nheads, head_dim); k, v: (batch,
     seqlen_k, nheads_k, head_dim). causal is bottom-right aligned, as in flash-attn. Returns out."""
-    _reject_unsupported(dropout_p=dropout_p, return_attn_probs=return_attn_probs)
+    _reject_unsupported(return_attn_probs=return_attn_probs)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
-                     window_size=_window(window_size, causal), softcap=softcap, alibi_slopes=alibi_slopes)
+                     window_size=_window(window_size, causal), softcap=softcap, alibi_slopes=alibi_slopes,
+                     dropout_p=dropout_p)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -45,7 +45,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None):
     """fa2.attention_varlen under flash-attn's signature. q: (total_q, nheads, head_dim); k, v: (total_k,
     nheads_k, head_dim); cu_seqlens_*: int32 (batch + 1,). Returns out, (total_q, nheads, head_dim)."""
-    _reject_unsupported(dropout_p=dropout_p, return_attn_probs=return_attn_probs, block_table=block_table)
+    _reject_unsupported(return_attn_probs=return_attn_probs, block_table=block_table)
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                             softmax_scale=softmax_scale, deterministic=deterministic,
-                            window_size=_window(window_size, causal), softcap=softcap, alibi_slopes=alibi_slopes)
+                            window_size=_window(window_size, causal), softcap=softcap, alibi_slopes=alibi_slopes,
+                            dropout_p=dropout_p)

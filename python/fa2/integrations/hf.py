@@ -12,8 +12,8 @@ into one row (batch 1, position_ids restarting at each sequence) also run as var
 
 Sliding-window layers (Mistral, Qwen2, Gemma 2/3, gpt-oss), logit softcapping (Gemma 2) and attention sinks
 (gpt-oss) run in fa2's kernels, from the `sliding_window`, `softcap` and `s_aux` arguments the models pass.
-What fa2 cannot do raises NotImplementedError instead of being ignored: attention dropout, position biases,
-chunked attention, arbitrary 4-D masks and custom mask overlays.
+Attention dropout runs in the kernels too. What fa2 cannot do raises NotImplementedError instead of being
+ignored: position biases, chunked attention, arbitrary 4-D masks and custom mask overlays.
 transformers is imported only inside register(): importing fa2 never imports it."""
 from __future__ import annotations
 
@@ -50,10 +50,7 @@ def build_mask(*, mask_function=None, attention_mask=None, local_size=None, use_
     return flash_attention_mask(mask_function=mask_function, attention_mask=attention_mask, **kwargs)
 
 
-def _reject_unsupported(module, dropout: float, attention_mask, kwargs: dict) -> None:
-    if dropout:
-        raise NotImplementedError(f"fa2 has no attention dropout (got {dropout}): set the config's attention "
-                                  f"dropout to 0.0 to train with fa2")
+def _reject_unsupported(module, attention_mask, kwargs: dict) -> None:
     if getattr(getattr(module, "config", None), "attention_chunk_size", None) is not None:
         raise NotImplementedError("fa2 has no chunked attention (the config's attention_chunk_size): use "
                                   "attn_implementation='sdpa' for this model")
@@ -101,10 +98,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """The AttentionInterface entry. query: (batch, nheads, seqlen_q, head_dim); key, value: (batch, nheads_k,
     seqlen_k, head_dim), fewer heads for GQA/MQA (fa2 reads them directly: no repeat). attention_mask: None or
     a boolean (batch, seqlen_k) padding mask. Returns (out (batch, seqlen_q, nheads, head_dim), None)."""
-    _reject_unsupported(module, dropout, attention_mask, kwargs)
+    _reject_unsupported(module, attention_mask, kwargs)
     causal = module.is_causal if is_causal is None else is_causal
     options = dict(causal=causal, softmax_scale=scaling, deterministic=bool(kwargs.get("deterministic")),
                    softcap=kwargs.get("softcap") or 0.0, sink=kwargs.get("s_aux"))
+    if dropout:  # the models pass their attention dropout only while training
+        options["dropout_p"] = float(dropout)
     if kwargs.get("sliding_window") is not None:
         # transformers' sliding window: query i sees keys j > i - sliding_window (masking_utils'
         # sliding_window_overlay), sliding_window - 1 to the left, as its flash-attention path passes it.
