@@ -1,6 +1,7 @@
-"""Sliding window, softcap, ALiBi and attention sinks (GPU): forward (out, lse) and backward (dq, dk, dv, dsink)
-against the fp64 reference with FlashAttention's rule, alone and combined, with GQA, padded head dims, packed
-batches, deterministic mode, given buffers and torch.compile."""
+"""Sliding window, softcap, ALiBi, attention sinks and dropout (GPU): forward (out, lse) and backward (dq, dk, dv,
+dsink) against the fp64 reference with FlashAttention's rule, alone and combined, with GQA, padded head dims, packed
+batches, deterministic mode, given buffers and torch.compile; dropout's kept scores exactly as the reference draws
+them, its reproducibility from torch.manual_seed and its fresh draws under CUDA-graph replay."""
 import re
 
 import pytest
