@@ -404,8 +404,7 @@ def run_features(args):
                 for mode in modes:
                     ms = best["fa2", name, mode]
                     work = 4 * b * h * d * visible_scores(n, causal, options) * common.MODE_FLOPS[mode]
-                    base = best["fa2", "causal" if causal else "none", mode] if ("fa2", "causal" if causal else "none",
-                                                                                  mode) in best else math.nan
+                    base = best.get(("fa2", "causal" if causal else "none", mode), math.nan)
                     flash = best.get(("sdpa_flash", name, mode))
                     if flash is not None:
                         rows.write(impl="sdpa_flash", mode=mode, dtype=args.dtype, hdim=d, causal=causal, seqlen=n,
