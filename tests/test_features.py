@@ -224,24 +224,28 @@ def test_flash_attn_func_takes_window_softcap_and_alibi(require_kernel):
 
 
 @gpu
-def test_forward_runs_its_plain_instance_unless_a_score_transform_is_on(require_kernel):
-    """The forward's main tile has an instance without softcap, ALiBi and dropout (fwd_launch.h): each transform
-    alone takes the other; window and sink do not."""
+def test_forward_runs_the_smallest_instance_that_covers_the_call(require_kernel):
+    """The forward's main tile has three instances (fwd_launch.h): plain, softcap and ALiBi (kLogits), and everything
+    (kAll, for dropout). Window and sink run in the plain one."""
     require_kernel("fwd", 128, torch.bfloat16)
     q, k, v = (randn(1, 2048, 2, 128) for _ in range(3))
     state = torch.tensor([1, 2], device="cuda")
+    names = ["kNone", "kLogits", "kAll"]
 
     def instance(**options):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fa2.fwd(q, k, v, **options)
             torch.cuda.synchronize()
-        names = {e.name for e in prof.events() if "fwd_kernel<" in e.name}
-        assert len(names) == 1, names
-        return re.search(r"fwd_kernel<fa2::FwdTraits<[^>]*>, (true|false)>", names.pop()).group(1) == "true"
+        kernels = {e.name for e in prof.events() if "fwd_kernel<" in e.name}
+        assert len(kernels) == 1, kernels
+        # The demangler prints the enum argument as "(fa2::ScoreTransforms)1" or as "fa2::ScoreTransforms::kLogits".
+        value = re.search(r"ScoreTransforms(?:\)|::)(\w+)>", kernels.pop()).group(1)
+        return names[int(value)] if value.isdigit() else value
 
-    assert not instance() and not instance(window_size=(100, 0), sink=torch.randn(2, device="cuda"))
-    assert instance(softcap=20.0) and instance(alibi_slopes=torch.ones(2, device="cuda"))
-    assert instance(dropout_p=0.1, rng_state=state)
+    assert instance() == "kNone" and instance(window_size=(100, 0), sink=torch.randn(2, device="cuda")) == "kNone"
+    assert instance(softcap=20.0) == "kLogits" and instance(alibi_slopes=torch.ones(2, device="cuda")) == "kLogits"
+    assert instance(dropout_p=0.1, rng_state=state) == "kAll"
+    assert instance(dropout_p=0.1, rng_state=state, softcap=20.0, alibi_slopes=torch.ones(2, device="cuda")) == "kAll"
 
 
 # ------------------------------------------------------------------------------------------------ dropout

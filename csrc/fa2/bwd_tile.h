@@ -111,10 +111,10 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
       const float inv_scale_log2 = 1.f / p.scale_log2;
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
-        const int row = row_offset + get<0>(c(mi, 0));
+        const float row_distance = alibi_row_distance(c, mi, row_offset, col_offset, diagonal);
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(dp); ++ni) {
-          const float bias = alibi_bias(alibi, row, col_offset + get<1>(c(0, ni)), diagonal);
+          const float bias = alibi * fabsf(row_distance - alibi_col_step(c, ni));
           const float t = (__log2f(s(mi, ni)) + lse_log2[mi]) * inv_scale_log2 - bias;
           dp(mi, ni) = s(mi, ni) > 0.f ? dp(mi, ni) * (1.f - t * t) : 0.f;
         }

@@ -18,10 +18,10 @@
 namespace fa2 {
 using namespace cute;
 
-// kScoreTransforms: softcap, ALiBi and dropout compiled in (the launch picks the instance without them when none is
-// on: their code costs the plain loop registers and scheduling, docs/tuning.md#features-off). Window and sink are
+// kTransforms: which of softcap, ALiBi and dropout are compiled in (the launch picks the smallest instance that covers
+// the call: their code costs the plain loop registers and scheduling, docs/tuning.md#features-off). Window and sink are
 // always in: they move loop bounds and the epilogue, not the loop.
-template <typename Traits, bool kScoreTransforms>
+template <typename Traits, ScoreTransforms kTransforms>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ FwdParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -99,10 +99,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
 
   // One key block's two GEMMs and the softmax between them; sK/sV hold its K and V at `kv_offset`.
   // P goes to the second MMA as its A operand, straight from registers.
-  const float alibi = kScoreTransforms ? alibi_slope(p, batch, head) : 0.f;
-  const bool softcap = kScoreTransforms && p.softcap_in > 0.f;
+  constexpr bool kLogits = kTransforms != ScoreTransforms::kNone;
+  const float alibi = kLogits ? alibi_slope(p, batch, head) : 0.f;
+  const bool softcap = kLogits && p.softcap_in > 0.f;
   const bool transform_scores = softcap || alibi != 0.f;
-  const bool dropout = kScoreTransforms && p.rng_state != nullptr;
+  const bool dropout = kTransforms == ScoreTransforms::kAll && p.rng_state != nullptr;
   auto s_gemm = [&](auto& acc_s, int n_block, int kv_offset) {
     clear(acc_s);
     gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, make_tensor(tSsK.data() + kv_offset, tSsK.layout()), smem_copy_q,

@@ -17,10 +17,10 @@ template <int kHeadDim, typename Config, DType kDType, bool kUnrollStages = fals
 using FwdTraitsOf = FwdTraits<kHeadDim, Config::kBlockM, Config::kBlockN, Config::kNWarps, Config::kStages, kDType,
                               kUnrollStages>;
 
-template <typename Traits, bool kScoreTransforms>
+template <typename Traits, ScoreTransforms kTransforms>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr int smem = Traits::kSmemSize;
-  constexpr auto kernel = &fwd_kernel<Traits, kScoreTransforms>;
+  constexpr auto kernel = &fwd_kernel<Traits, kTransforms>;
   const int limit = block_smem_limit(params);
   if (smem > limit) throw_smem_too_small("forward", params.head_dim, smem, limit);
   allow_smem<kernel>(smem, "fwd smem");
@@ -42,15 +42,15 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
     const int seqlen = std::max(params.seqlen_q, params.seqlen_k);
     if (seqlen <= (params.causal ? Narrow::kMaxSeqlenCausal : Narrow::kMaxSeqlen) ||
         Main::kSmemSize > block_smem_limit(params)) {
-      return launch_fwd<FwdTraitsOf<kHeadDim, Narrow, kDType>, true>(params, stream);
+      return launch_fwd<FwdTraitsOf<kHeadDim, Narrow, kDType>, ScoreTransforms::kAll>(params, stream);
     }
   }
-  // The main tile has an instance without softcap, ALiBi and dropout (fwd_kernel.h); the narrow one (short d256
-  // sequences, 99 KB GPUs) runs everything with the one instance, to keep the build smaller.
-  if (has_score_transforms(params)) {
-    launch_fwd<Main, true>(params, stream);
-  } else {
-    launch_fwd<Main, false>(params, stream);
+  // The main tile has an instance per set of transforms (fwd_kernel.h); the narrow one (short d256 sequences, 99 KB
+  // GPUs) runs everything with the one instance, to keep the build smaller.
+  switch (score_transforms(params)) {
+    case ScoreTransforms::kNone: return launch_fwd<Main, ScoreTransforms::kNone>(params, stream);
+    case ScoreTransforms::kLogits: return launch_fwd<Main, ScoreTransforms::kLogits>(params, stream);
+    case ScoreTransforms::kAll: return launch_fwd<Main, ScoreTransforms::kAll>(params, stream);
   }
 }
 

@@ -113,29 +113,34 @@ __device__ __forceinline__ float alibi_slope(FwdParams const& p, int batch, int 
   return p.alibi_slopes == nullptr ? 0.f : -p.alibi_slopes[batch * p.alibi_batch_stride + head] / p.score_scale;
 }
 
-// The ALiBi bias of score (row, col), in score units: slope * |row + diagonal - col|.
-__device__ __forceinline__ float alibi_bias(float slope, int row, int col, int diagonal) {
-  return slope * float(abs(row + diagonal - col));
+// ALiBi's distance row + diagonal - col for the scores of a tile, in fp32 without a conversion per score: a thread's
+// columns differ from its first by constants of the MMA layout, so distance(mi, ni) = row_distance(mi) - col_step(ni)
+// is one subtraction of an immediate from a value converted once per row. (Conversions run at exp2's MUFU rate,
+// which small head dims already saturate; a per-column array would cost the forward's loop registers it has not
+// got.) Positions below 2^24 are exact in fp32, so the distances are exact. `c` is the tile's coordinates in
+// (row, col) form.
+template <typename CoordRC>
+__device__ __forceinline__ float alibi_row_distance(CoordRC const& c, int mi, int row_offset, int col_offset,
+                                                    int diagonal) {
+  return float(row_offset + get<0>(c(mi, 0)) + diagonal - col_offset - get<1>(c(0, 0)));
+}
+template <typename CoordRC>
+__device__ __forceinline__ float alibi_col_step(CoordRC const& c, int ni) {
+  return float(get<1>(c(0, ni)) - get<1>(c(0, 0)));
 }
 
-// Add the ALiBi bias to every score of the tile (after softcap, which it does not go through). The distances are
-// taken in fp32 from one int-to-float conversion per row and per column, not one per score: conversions run at 16
-// per clock per SM, the rate of exp2's MUFU ops, which small head dims already saturate. Positions below 2^24 are
-// exact in fp32, so the bias is alibi_bias's to the bit.
+// Add the ALiBi bias slope * |row + diagonal - col| to every score of the tile (after softcap, which it does not go
+// through).
 template <typename TensorS, typename CoordS>
 __device__ __forceinline__ void apply_alibi(TensorS& acc_s, CoordS const& coord, float slope, int row_offset,
                                             int col_offset, int diagonal) {
   Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
   Tensor c = make_tensor(coord.data(), rowcol_layout(coord.layout()));
-  constexpr int kCols = decltype(size<1>(s))::value;
-  float col_pos[kCols];
-  CUTE_UNROLL
-  for (int ni = 0; ni < kCols; ++ni) col_pos[ni] = float(col_offset + get<1>(c(0, ni)));
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(s); ++mi) {
-    const float row_pos = float(row_offset + get<0>(c(mi, 0)) + diagonal);
+    const float row_distance = alibi_row_distance(c, mi, row_offset, col_offset, diagonal);
     CUTE_UNROLL
-    for (int ni = 0; ni < kCols; ++ni) s(mi, ni) += slope * fabsf(row_pos - col_pos[ni]);
+    for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) += slope * fabsf(row_distance - alibi_col_step(c, ni));
   }
 }
 

@@ -58,9 +58,14 @@ struct FwdParams {
   int total_q = 0, total_k = 0;
 };
 
-// Whether any per-score transform is on: softcap, ALiBi or dropout (the forward has an instance without them).
-inline bool has_score_transforms(FwdParams const& p) {
-  return p.softcap_in > 0.f || p.alibi_slopes != nullptr || p.rng_state != nullptr;
+// The per-score transforms a forward instance compiles in; the launch picks the smallest that covers the call
+// (docs/tuning.md#features-off).
+enum class ScoreTransforms { kNone, kLogits /* softcap, ALiBi */, kAll /* softcap, ALiBi, dropout */ };
+
+inline ScoreTransforms score_transforms(FwdParams const& p) {
+  if (p.rng_state != nullptr) return ScoreTransforms::kAll;
+  if (p.softcap_in > 0.f || p.alibi_slopes != nullptr) return ScoreTransforms::kLogits;
+  return ScoreTransforms::kNone;
 }
 
 struct BwdParams : FwdParams {

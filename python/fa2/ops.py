@@ -16,7 +16,7 @@ Two paths share those ops:
 op's inputs, and that is how the flag reaches the backward. The ops never read tensor values on the host while a
 CUDA graph is captured (the varlen checks of cu_seqlens values are skipped then), so a training step can be captured.
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -306,6 +306,27 @@ def _attend(op, q, k, v, *args) -> Tensor:
         if error is e:
             raise
         raise error from None
+
+
+def attend_with_lse(op, q, k, v, *args) -> Tuple[Tensor, Tensor]:
+    """_attend's call returning (out, lse), through the op and its registered autograd: out is differentiable, lse
+    is not. For flash_attn_func's return_attn_probs, a testing path whose host time does not matter."""
+    head_dim = unaligned_head_dim(q, k, v)
+    if head_dim:
+        args = (*args[:-10], true_scale(args[-10], head_dim), *args[-9:])
+        out, lse = attend_with_lse(op, *pad_head_dim(q, k, v), *args)
+        return out[..., :head_dim], lse
+    if torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        q, k, v = (t.to(dtype) if t.is_cuda and t.is_floating_point() else t for t in (q, k, v))
+    try:
+        out, lse = op(q, k, v, *args)
+    except ValueError as e:
+        error = _typed(e)
+        if error is e:
+            raise
+        raise error from None
+    return out, lse.detach()
 
 
 # ----------------------------------------------------------------------------------------------- public

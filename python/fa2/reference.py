@@ -142,11 +142,28 @@ def attention_ref(q, k, v, *, causal: bool = False, softmax_scale: Optional[floa
       lse_i = log(exp(sink_h) + sum_j exp(s_ij)); differentiable (d sink_h = -sum_i exp(sink_h - lse_i) * D_i);
     - dropout_p with dropout_keep (bool, (batch, nheads, seqlen_q, seqlen_k)): the kept probabilities are scaled
       by 1 / (1 - dropout_p), the others dropped, after the softmax (lse is the undropped one). The kernels
-      will draw the mask from an RNG state as dropout_keep_mask does; here it is an argument."""
-    left, right = check_options(causal=causal, window_size=window_size, softcap=softcap, dropout_p=dropout_p)
+      draw the mask from an RNG state as dropout_keep_mask does; here it is an argument."""
+    check_options(causal=causal, window_size=window_size, softcap=softcap, dropout_p=dropout_p)
+    if dropout_p > 0 and dropout_keep is None:
+        raise ValueError(f"dropout_p={dropout_p!r} needs dropout_keep, the mask of kept probabilities")
+    P, lse = attention_probs(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                             softcap=softcap, alibi_slopes=alibi_slopes, sink=sink, upcast=upcast, dtype=dtype)
+    if dropout_keep is not None:
+        P = P * dropout_keep / (1 - dropout_p)
+    v_ = _heads_first(q, v)[1]
+    return (P @ (v_.to(P.dtype))).transpose(1, 2).to(q.dtype), lse
+
+
+def attention_probs(q, k, *, causal: bool = False, softmax_scale: Optional[float] = None,
+                    window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None,
+                    upcast: bool = True, dtype: torch.dtype = torch.float64) -> Tuple[torch.Tensor, torch.Tensor]:
+    """attention_ref's probabilities before dropout, P (batch, nheads, seqlen_q, seqlen_k) in the compute dtype
+    (the sink's share is in each row's denominator, not a column), and lse; the options are attention_ref's."""
+    left, right = check_options(causal=causal, window_size=window_size, softcap=softcap, dropout_p=0.0)
     scale = _scale(softmax_scale, q)
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    q_, k_, v_ = (t.to(dtype) if upcast else t for t in _heads_first(q, k, v))
+    q_, k_ = (t.to(dtype) if upcast else t for t in _heads_first(q, k))
     S = (q_ @ k_.transpose(-1, -2)) * scale  # here S is already scaled
     rows, cols = torch.arange(seqlen_q, device=q.device), torch.arange(seqlen_k, device=q.device)
     if softcap > 0:
@@ -159,13 +176,7 @@ def attention_ref(q, k, v, *, causal: bool = False, softmax_scale: Optional[floa
         S = torch.cat([S, sink.to(S.dtype)[None, :, None, None].expand(*S.shape[:-1], 1)], dim=-1)
     lse = torch.logsumexp(S.to(torch.promote_types(S.dtype, torch.float32)), dim=-1)
     P = torch.softmax(S, dim=-1).masked_fill(torch.isneginf(lse)[..., None], 0.0)  # no visible key: P = 0
-    if sink is not None:
-        P = P[..., :-1]
-    if dropout_keep is not None:
-        P = P * dropout_keep / (1 - dropout_p)
-    elif dropout_p > 0:
-        raise ValueError(f"dropout_p={dropout_p!r} needs dropout_keep, the mask of kept probabilities")
-    return (P @ v_).transpose(1, 2).to(q.dtype), lse
+    return (P[..., :-1] if sink is not None else P), lse
 
 
 def _key_end(m0: int, block_m: int, seqlen_q: int, seqlen_k: int, causal: bool) -> int:

@@ -2,16 +2,25 @@
 
     from fa2 import flash_attn_func, flash_attn_varlen_func   # was: from flash_attn import ...
 
-Argument names, order, defaults and the return value (the output tensor) are those of flash-attn 2.8's
-flash_attn/flash_attn_interface.py. Options fa2 does not implement raise NotImplementedError naming the
-option, before any other check."""
+Argument names, order, defaults and return values are those of flash-attn 2.8's flash_attn/flash_attn_interface.py.
+Options fa2 does not implement raise NotImplementedError naming the option, before any other check.
+
+return_attn_probs=True returns (out, softmax_lse, S_dmask), as flash-attn does, for tests: S_dmask holds the attention
+probabilities (after softcap, ALiBi and masking, before dropout; flash-attn's docs allow them "with different
+scaling", and fa2's are normalised) with the dropped ones negated, or is None without dropout. They are computed by
+fa2.reference from q, k and the call's dropout state, not read out of the kernel: the GPU tests show the kernels
+draw exactly fa2.reference's mask. The call syncs with the device (it reads the state) and holds seqlen_q x seqlen_k
+fp32 per head."""
 from __future__ import annotations
 
-from fa2.ops import attention, attention_varlen, window
+import torch
+
+from fa2 import reference
+from fa2.ops import (FWD, FWD_VARLEN, attend_with_lse, attention, attention_varlen, check_tensors, dropout_state,
+                     slopes, window)
 
 # Each option fa2 lacks: (name, its "off" test, what it would have done).
 _UNSUPPORTED = (
-    ("return_attn_probs", lambda x: not x, "returning the softmax lse and attention probabilities"),
     ("block_table", lambda x: x is None, "a paged KV cache"),
 )
 
@@ -33,20 +42,67 @@ def _window(window_size, causal):
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """fa2.attention under flash-attn's signature. q: (batch, seqlen_q, nheads, head_dim); k, v: (batch,
-    seqlen_k, nheads_k, head_dim). causal is bottom-right aligned, as in flash-attn. Returns out."""
-    _reject_unsupported(return_attn_probs=return_attn_probs)
-    return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
-                     window_size=_window(window_size, causal), softcap=softcap, alibi_slopes=alibi_slopes,
-                     dropout_p=dropout_p)
+    seqlen_k, nheads_k, head_dim). causal is bottom-right aligned, as in flash-attn. Returns out; with
+    return_attn_probs, (out, softmax_lse (batch, nheads, seqlen_q) fp32, S_dmask (batch, nheads, seqlen_q, seqlen_k)
+    or None), as the module docstring says."""
+    window_size = _window(window_size, causal)
+    if not return_attn_probs:
+        return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+    check_tensors(q=q, k=k, v=v)
+    state = dropout_state(dropout_p, q.device)
+    out, lse = attend_with_lse(FWD, q, k, v, softmax_scale, bool(causal), bool(deterministic), *window_size,
+                               float(softcap), slopes(alibi_slopes), float(dropout_p), state, None)
+    if state is None:
+        return out, lse, None
+    sequences = [(q[b:b + 1], k[b:b + 1], _slopes_of(alibi_slopes, b)) for b in range(q.shape[0])]
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+    return out, lse, _dropped_probs(sequences, options, dropout_p, state, q.shape[1], k.shape[1])
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
     """fa2.attention_varlen under flash-attn's signature. q: (total_q, nheads, head_dim); k, v: (total_k,
-    nheads_k, head_dim); cu_seqlens_*: int32 (batch + 1,). Returns out, (total_q, nheads, head_dim)."""
-    _reject_unsupported(return_attn_probs=return_attn_probs, block_table=block_table)
-    return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                            softmax_scale=softmax_scale, deterministic=deterministic,
-                            window_size=_window(window_size, causal), softcap=softcap, alibi_slopes=alibi_slopes,
-                            dropout_p=dropout_p)
+    nheads_k, head_dim); cu_seqlens_*: int32 (batch + 1,). Returns out, (total_q, nheads, head_dim); with
+    return_attn_probs, (out, softmax_lse (nheads, total_q) fp32, S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)
+    or None; sequence b fills its top-left corner of slice b, the rest is 0)."""
+    _reject_unsupported(block_table=block_table)
+    window_size = _window(window_size, causal)
+    if not return_attn_probs:
+        return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                softmax_scale=softmax_scale, deterministic=deterministic, window_size=window_size,
+                                softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+    check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    state = dropout_state(dropout_p, q.device)
+    out, lse = attend_with_lse(FWD_VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale, bool(causal), bool(deterministic), *window_size, float(softcap),
+                               slopes(alibi_slopes), float(dropout_p), state, None)
+    if state is None:
+        return out, lse, None
+    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    sequences = [(q[None, bq[b]:bq[b + 1]], k[None, bk[b]:bk[b + 1]], _slopes_of(alibi_slopes, b))
+                 for b in range(len(bq) - 1)]
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+    return out, lse, _dropped_probs(sequences, options, dropout_p, state, max_seqlen_q, max_seqlen_k)
+
+
+def _slopes_of(alibi_slopes, b):
+    """Sequence b's ALiBi slopes, (nheads,), from (nheads,) or (batch, nheads) ones (or None)."""
+    return alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+
+
+def _dropped_probs(sequences, options, dropout_p, state, seqlen_q, seqlen_k):
+    """S_dmask: for each sequence (q (1, seqlen_q, nheads, d), k, its slopes), fa2.reference's probabilities with
+    the ones dropout drops negated, in q's dtype, (len(sequences), nheads, seqlen_q, seqlen_k)."""
+    q0 = sequences[0][0]
+    nheads = q0.shape[2]
+    keep = reference.dropout_keep_mask(state.tolist(), len(sequences), nheads, seqlen_q, seqlen_k, dropout_p,
+                                       device=q0.device)
+    probs = torch.zeros(len(sequences), nheads, seqlen_q, seqlen_k, dtype=q0.dtype, device=q0.device)
+    with torch.no_grad():
+        for b, (q, k, alibi) in enumerate(sequences):
+            p, _ = reference.attention_probs(q, k, alibi_slopes=alibi, dtype=torch.float32, **options)
+            kept = keep[b, :, :q.shape[1], :k.shape[1]]
+            probs[b, :, :q.shape[1], :k.shape[1]] = torch.where(kept, p[0], -p[0]).to(q.dtype)
+    return probs
