@@ -31,6 +31,7 @@ CASES = [
     (1, 200, 200, 2, 2, 192, True, (128, 0), 0.0, True, None),       # gpt-oss: banded layers with sinks
     (2, 300, 257, 4, 4, 64, False, (-1, -1), 0.0, False, "h"),       # ALiBi, both sides of the diagonal
     (2, 700, 700, 8, 2, 128, True, (-1, -1), 0.0, False, "bh"),      # ALiBi per batch entry, causal
+    (1, 2048, 1536, 8, 8, 64, False, (-1, -1), 0.0, False, "h"),     # ALiBi: tiles far from the diagonal
     (1, 1024, 1024, 8, 2, 128, True, (200, -1), 30.0, True, "h"),    # all of them, GQA 4:1
     (2, 173, 301, 4, 1, 96, False, (50, 10), 20.0, True, "bh"),
 ]

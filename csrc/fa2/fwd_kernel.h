@@ -104,6 +104,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   const bool softcap = kLogits && p.softcap_in > 0.f;
   const bool transform_scores = softcap || alibi != 0.f;
   const bool dropout = kTransforms == ScoreTransforms::kAll && p.rng_state != nullptr;
+  // ALiBi's row term of the current tile, which the softmax adds per row (apply_alibi_split); 0 elsewhere. Only the
+  // kLogits instance splits: in kAll the split's registers spill next to dropout's (docs/tuning.md#alibi-distances).
+  constexpr bool kSplitAlibi = kTransforms == ScoreTransforms::kLogits;
+  float alibi_rows[kRowsPerThread] = {};
   auto s_gemm = [&](auto& acc_s, int n_block, int kv_offset) {
     clear(acc_s);
     gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, make_tensor(tSsK.data() + kv_offset, tSsK.layout()), smem_copy_q,
@@ -113,13 +117,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     const bool mask = n_block >= blocks.right_masked_begin || n_block < blocks.left_masked_end;
     if (transform_scores || mask) {
       if (softcap) apply_softcap(acc_s, p.softcap_in);
-      if (alibi != 0.f) apply_alibi(acc_s, tScS, alibi, row_offset, n_block * kBlockN, seq.seqlen_k - seq.seqlen_q);
+      if (alibi != 0.f) {
+        // A tile on one side of the diagonal takes the split form; one that the diagonal crosses, the per-score one.
+        const int diagonal = seq.seqlen_k - seq.seqlen_q, col_offset = n_block * kBlockN;
+        const int nearest = row_offset + diagonal - (col_offset + kBlockN - 1);  // its smallest distance
+        const int farthest = row_offset + kBlockM - 1 + diagonal - col_offset;   // its largest
+        const int sign = !kSplitAlibi ? 0 : nearest >= 0 ? 1 : farthest <= 0 ? -1 : 0;
+        if (sign != 0) {
+          apply_alibi_split(acc_s, tScS, alibi, sign, row_offset, col_offset, diagonal, alibi_rows);
+        } else {
+          apply_alibi(acc_s, tScS, alibi, row_offset, col_offset, diagonal);
+          CUTE_UNROLL
+          for (int mi = 0; mi < kRowsPerThread; ++mi) alibi_rows[mi] = 0.f;
+        }
+      }
       if (mask) apply_mask(acc_s, tScS, p, row_offset, n_block * kBlockN, seq.seqlen_q, seq.seqlen_k);
     }
   };
   const DropoutDraw draw(p, batch, head);
   auto softmax_pv = [&](auto& acc_s, int n_block, int kv_offset) {
-    softmax.update(acc_s, acc_o, p.scale_log2);  // l sums the probabilities before dropout
+    softmax.update<kSplitAlibi>(acc_s, acc_o, p.scale_log2, alibi_rows);  // l sums the probabilities before dropout
     if (dropout) {
       Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
       for_each_kept<kBlockN >= 64 ? 4 : 0, /*kInline=*/true>(acc_s, tScS, draw, row_offset, n_block * kBlockN,

@@ -144,4 +144,28 @@ __device__ __forceinline__ void apply_alibi(TensorS& acc_s, CoordS const& coord,
   }
 }
 
+// ALiBi on a tile that lies on one side of the diagonal, every distance of sign `sign` (+1 or -1): the bias
+// slope * sign * (row_distance(mi) - col_step(ni)) splits into a column term added here (one FMUL per column, one FADD
+// per score, where apply_alibi has an FADD and an FFMA per score) and a row term returned in row_bias, which the
+// softmax adds to the row's max (OnlineSoftmax::update<kRowBias>).
+template <typename TensorS, typename CoordS, int kRows>
+__device__ __forceinline__ void apply_alibi_split(TensorS& acc_s, CoordS const& coord, float slope, int sign,
+                                                  int row_offset, int col_offset, int diagonal,
+                                                  float (&row_bias)[kRows]) {
+  Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
+  Tensor c = make_tensor(coord.data(), rowcol_layout(coord.layout()));
+  static_assert(decltype(size<0>(s))::value == kRows);
+  const float signed_slope = sign > 0 ? slope : -slope;
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    row_bias[mi] = signed_slope * alibi_row_distance(c, mi, row_offset, col_offset, diagonal);
+  }
+  CUTE_UNROLL
+  for (int ni = 0; ni < size<1>(s); ++ni) {
+    const float col_bias = -signed_slope * alibi_col_step(c, ni);
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) s(mi, ni) += col_bias;
+  }
+}
+
 }  // namespace fa2

@@ -34,15 +34,19 @@ struct OnlineSoftmax {
   // One K/V tile: raise m, turn the scores in acc_s into P = exp2(S*scale_log2 - m*scale_log2) in place,
   // and rescale l and acc_o by exp2((m_old - m_new)*scale_log2). On the first tile m_old = -inf, so the
   // correction is 0 and acc_o (still zero) stays zero: no special first iteration.
-  template <typename TensorS, typename TensorO>
-  __device__ __forceinline__ void update(TensorS& acc_s, TensorO& acc_o, float scale_log2) {
-    rescale(acc_s, acc_o, scale_log2);
-    exponentiate(acc_s, scale_log2);
+  // With kRowBias the tile holds S - row_bias (a term constant along each row, deferred: ALiBi's, mask.h
+  // apply_alibi_split): m and P are still those of S, at one FADD per row instead of one per score.
+  template <bool kRowBias = false, typename TensorS, typename TensorO>
+  __device__ __forceinline__ void update(TensorS& acc_s, TensorO& acc_o, float scale_log2,
+                                         const float* row_bias = nullptr) {
+    rescale<kRowBias>(acc_s, acc_o, scale_log2, row_bias);
+    exponentiate<kRowBias>(acc_s, scale_log2, row_bias);
   }
 
   // update()'s first half: raise m where needed, rescaling l and acc_o by the correction.
-  template <typename TensorS, typename TensorO>
-  __device__ __forceinline__ void rescale(TensorS const& acc_s, TensorO& acc_o, float scale_log2) {
+  template <bool kRowBias = false, typename TensorS, typename TensorO>
+  __device__ __forceinline__ void rescale(TensorS const& acc_s, TensorO& acc_o, float scale_log2,
+                                          const float* row_bias = nullptr) {
     Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
     Tensor o = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));
     static_assert(decltype(size<0>(s))::value == kNRows);
@@ -56,9 +60,10 @@ struct OnlineSoftmax {
     bool grew = false;
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
-      float m = row_max[mi];
+      float m = kRowBias ? -INFINITY : row_max[mi];
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
+      if constexpr (kRowBias) m = fmaxf(row_max[mi], m + row_bias[mi]);  // -inf + bias stays -inf
       thread_max[mi] = m;
       // A row's first finite score always rescales (whatever the scale); -inf only stays -inf.
       grew |= row_max[mi] == -INFINITY ? m != -INFINITY : (m - row_max[mi]) * scale_log2 > 8.f;
@@ -78,13 +83,16 @@ struct OnlineSoftmax {
   }
 
   // ... and turn S into P in place, adding to l.
-  template <typename TensorS>
-  __device__ __forceinline__ void exponentiate(TensorS& acc_s, float scale_log2) {
+  template <bool kRowBias = false, typename TensorS>
+  __device__ __forceinline__ void exponentiate(TensorS& acc_s, float scale_log2,
+                                               const float* row_bias = nullptr) {
     Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       // Offset by 0 for a row with m = -inf, so exp2 yields 0, not NaN.
-      const float m_scaled = row_max[mi] == -INFINITY ? 0.f : row_max[mi] * scale_log2;
+      float m = row_max[mi];
+      if constexpr (kRowBias) m -= row_bias[mi];  // the tile's scores lack the row's bias
+      const float m_scaled = row_max[mi] == -INFINITY ? 0.f : m * scale_log2;
       float sum = row_sum[mi];
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(s); ++ni) {
