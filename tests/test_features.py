@@ -26,6 +26,7 @@ CASES = [
     (2, 257, 300, 4, 2, 64, False, (-1, -1), 30.0, False, None),     # softcap (Gemma 2)
     (1, 1000, 1000, 4, 4, 128, True, (-1, -1), 50.0, False, None),
     (1, 300, 300, 2, 2, 224, False, (-1, -1), 5.0, False, None),     # a small softcap: tanh saturates
+    (1, 513, 203, 2, 2, 128, False, (30, 0), 30.0, False, None),     # softcap on rows that see no key
     (2, 300, 257, 4, 4, 64, False, (-1, -1), 0.0, True, None),       # sinks (gpt-oss)
     (1, 1000, 1000, 8, 2, 128, True, (-1, -1), 0.0, True, None),
     (1, 200, 200, 2, 2, 192, True, (128, 0), 0.0, True, None),       # gpt-oss: banded layers with sinks

@@ -91,16 +91,28 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
   const bool dropout = p.rng_state != nullptr;
   if (dropout || p.softcap_in > 0.f) {
     // Dropout's dS = P (Z dP / (1-p) - D): from the plain P (dP - D) above, a kept score's is that / (1-p) plus
-    // (1/(1-p) - 1) P D, a dropped one's -P D. The kept bits (bit mi * columns + ni) are drawn once, also for P below.
+    // (1/(1-p) - 1) P D, a dropped one's -P D. With softcap too, whose loop reads the undropped P, the kept bits (bit
+    // mi * columns + ni) are drawn once and applied to P after it.
     static_assert(decltype(size(acc_s))::value <= 64);
     uint64_t kept_bits = 0;
-    if (dropout) {
-      const float scale = p.dropout_scale;
+    const float scale = p.dropout_scale;
+    auto dropout_ds = [&](int mi, int ni, bool kept) {
+      const float pd = s(mi, ni) * d_row[mi];
+      dp(mi, ni) = kept ? dp(mi, ni) * scale + (scale - 1.f) * pd : -pd;
+    };
+    if (dropout && p.softcap_in <= 0.f) {
+      // Dropout alone: P is dropped as the mask is drawn, with no bits kept for later (their packing and unpacking
+      // cost more integer work per score than the draw's share, docs/tuning.md#dropout).
+      for_each_kept<Traits::kBlockN == 32 ? 0 : 1, /*kInline=*/false>(acc_dp, tScS, draw, row_offset, col_offset,
+          [&](int mi, int ni, bool kept) {
+            dropout_ds(mi, ni, kept);
+            s(mi, ni) = kept ? s(mi, ni) * scale : 0.f;
+          });
+    } else if (dropout) {
       for_each_kept<Traits::kBlockN == 32 ? 0 : 1, /*kInline=*/false>(acc_dp, tScS, draw, row_offset, col_offset,
           [&](int mi, int ni, bool kept) {
             kept_bits |= uint64_t(kept) << (mi * size<1>(dp) + ni);
-            const float pd = s(mi, ni) * d_row[mi];
-            dp(mi, ni) = kept ? dp(mi, ni) * scale + (scale - 1.f) * pd : -pd;
+            dropout_ds(mi, ni, kept);
           });
     }
     if (p.softcap_in > 0.f) {
@@ -120,7 +132,7 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
         }
       }
     }
-    if (dropout) {  // P becomes what the forward multiplied V by: dropped, the kept rescaled
+    if (dropout && p.softcap_in > 0.f) {  // P becomes what the forward multiplied V by: dropped, the kept rescaled
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
         CUTE_UNROLL

@@ -36,7 +36,8 @@ static __device__ __noinline__ uint4 philox4x32_7_call(uint4 c, uint2 k) { retur
 // One (batch, head)'s draw: the key and the counter words that do not depend on the score.
 struct DropoutDraw {
   uint2 key;
-  uint32_t bh, offset, threshold;
+  uint32_t bh, offset;
+  uint32_t threshold_high;  // floor((1 - dropout_p) * 2^16) << 16 (dropout_p > 0, so it fits)
 
   // Reads rng_state only where dropout is on.
   __device__ __forceinline__ DropoutDraw(FwdParams const& p, int batch, int head) {
@@ -45,7 +46,7 @@ struct DropoutDraw {
     key = make_uint2(uint32_t(seed), uint32_t(seed >> 32));
     bh = uint32_t(batch) * uint32_t(p.nheads) + uint32_t(head);
     offset = on ? uint32_t(static_cast<uint64_t>(p.rng_state[1])) : 0u;
-    threshold = p.dropout_threshold;
+    threshold_high = p.dropout_threshold << 16;
   }
 
   // The Philox block of the eight scores around (row, col).
@@ -55,9 +56,11 @@ struct DropoutDraw {
     return kInline ? philox4x32_7(counter, key) : philox4x32_7_call(counter, key);
   }
 
-  // Whether the score taking half `hi` (bit 0 of its column) of output word `bits` is kept.
+  // Whether the score taking half `hi` (bit 0 of its column) of output word `bits` is kept. Both halves are compared
+  // in the high half, where the high one already is: one compare for it, a shift and a compare for the low one, in
+  // place of extracting each (the forward's dropout is bound by such integer work, docs/tuning.md#dropout).
   __device__ __forceinline__ bool kept(uint32_t bits, int hi) const {
-    return (hi ? bits >> 16 : bits & 0xFFFFu) < threshold;
+    return (hi ? bits : bits << 16) < threshold_high;
   }
 };
 
