@@ -362,6 +362,18 @@ def test_dropout_reaches_the_kernels_with_its_state(recording):
         fa2.fwd(*_qkv(), dropout_p=0.5, rng_state=torch.tensor([1.0, 2.0]))
 
 
+def test_a_dropout_too_small_to_move_the_threshold_launches_without_dropout(recording):
+    """dropout_p <= 2^-54: 1 - p rounds to 1 and the reference keeps every score at scale 1; the kernels, whose compare
+    needs the threshold below 2^16, get no RNG state. Just above it the threshold is 2^16 - 1 and dropout is on."""
+    state = torch.tensor([5, 6])
+    fa2.fwd(*_qkv(), dropout_p=1e-20, rng_state=state)
+    args = recording.calls[-1][1]
+    assert args["rng_state"] == 0 and args["dropout_scale"] == 1.0
+    fa2.fwd(*_qkv(), dropout_p=2.0 ** -17, rng_state=state)
+    args = recording.calls[-1][1]
+    assert args["rng_state"] == state.data_ptr() and args["dropout_threshold"] == 2 ** 16 - 1
+
+
 def test_dropout_state_follows_torch_manual_seed():
     from fa2 import ops
     torch.manual_seed(3)

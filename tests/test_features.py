@@ -353,6 +353,20 @@ def test_dropout_is_reproducible_from_torch_manual_seed(require_kernel):
 
 
 @gpu
+def test_a_dropout_too_small_to_drop_anything_is_no_dropout(require_kernel):
+    """p <= 2^-54 (1 - p rounds to 1): the reference's threshold is 2^16, every score is kept at scale 1, so the
+    kernels' results are exactly those without dropout, in both directions."""
+    require_kernel("bwd", 64, torch.bfloat16)
+    q, k, v = (randn(1, 200, 2, 64, requires_grad=True) for _ in range(3))
+    assert dropout_keep_mask((7, 9), 1, 2, 200, 200, 1e-20).all()
+    runs = []
+    for p in (0.0, 1e-20):
+        out = fa2.attention(q, k, v, causal=True, dropout_p=p)
+        runs.append((out, *torch.autograd.grad(out.float().sum(), (q, k, v))))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@gpu
 def test_dropout_draws_anew_at_each_cuda_graph_replay(require_kernel):
     require_kernel("bwd", 64, torch.bfloat16)
     q, k, v = (randn(1, 128, 2, 64, requires_grad=True) for _ in range(3))

@@ -470,9 +470,13 @@ void fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v
   p.sink = f.sink ? static_cast<const float*>(f.sink->data_ptr()) : nullptr;
   p.alibi_slopes = f.alibi_slopes ? static_cast<const float*>(f.alibi_slopes->data_ptr()) : nullptr;
   p.alibi_batch_stride = f.alibi_slopes && f.alibi_slopes->dim() == 2 ? p.nheads : 0;
-  if (f.dropout_p > 0.0) {  // fa2.reference.dropout_keep_mask: kept iff 16 drawn bits < floor((1 - p) * 2^16)
+  // fa2.reference.dropout_keep_mask: kept iff 16 drawn bits < floor((1 - p) * 2^16). A p too small to move that
+  // threshold off 2^16 (p <= 2^-54, where 1 - p rounds to 1) keeps every score at scale 1: no dropout, exactly; the
+  // kernels compare against threshold << 16, which needs it below 2^16.
+  const double keep_threshold = std::floor((1.0 - f.dropout_p) * 65536.0);
+  if (f.dropout_p > 0.0 && keep_threshold < 65536.0) {
     p.rng_state = static_cast<const int64_t*>(f.rng_state->data_ptr());
-    p.dropout_threshold = uint32_t(std::floor((1.0 - f.dropout_p) * 65536.0));
+    p.dropout_threshold = uint32_t(keep_threshold);
     p.dropout_scale = float(1.0 / (1.0 - f.dropout_p));
   }
   p.cu_seqlens_q = cu_q ? static_cast<const int*>(cu_q->data_ptr()) : nullptr;

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from fa2 import reference
-from fa2.ops import (FWD, FWD_VARLEN, attend_with_lse, attention, attention_varlen, check_tensors, dropout_state,
-                     slopes, window)
+from fa2.ops import (FWD, FWD_VARLEN, attend_with_lse, attention, attention_varlen, check_max_seqlens, check_tensors,
+                     dropout_state, slopes, window)
 
 # Each option fa2 lacks: (name, its "off" test, what it would have done).
 _UNSUPPORTED = (
@@ -74,6 +74,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                 softmax_scale=softmax_scale, deterministic=deterministic, window_size=window_size,
                                 softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    check_max_seqlens(max_seqlen_q, max_seqlen_k)
     state = dropout_state(dropout_p, q.device)
     out, lse = attend_with_lse(FWD_VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale, bool(causal), bool(deterministic), *window_size, float(softcap),
@@ -94,7 +95,9 @@ def _slopes_of(alibi_slopes, b):
 
 def _dropped_probs(sequences, options, dropout_p, state, seqlen_q, seqlen_k):
     """S_dmask: for each sequence (q (1, seqlen_q, nheads, d), k, its slopes), fa2.reference's probabilities with
-    the ones dropout drops negated, in q's dtype, (len(sequences), nheads, seqlen_q, seqlen_k)."""
+    the ones dropout drops negated, in q's dtype, (len(sequences), nheads, seqlen_q, seqlen_k). The sign bit carries
+    the mask: a dropped probability of 0 is -0.0 (read it with torch.signbit; `>= 0` takes it as kept, as for
+    flash-attn's own S_dmask, harmlessly since it adds nothing)."""
     q0 = sequences[0][0]
     nheads = q0.shape[2]
     keep = reference.dropout_keep_mask(state.tolist(), len(sequences), nheads, seqlen_q, seqlen_k, dropout_p,
