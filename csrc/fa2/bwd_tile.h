@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 #include <cute/tensor.hpp>
 
 #include "fa2/dropout.h"
@@ -117,19 +118,29 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
     }
     if (p.softcap_in > 0.f) {
       // d(softcap * tanh(x * softcap_in)) / dx = softmax_scale * (1 - tanh^2); softmax_scale is applied with the
-      // dQ / dK epilogues. tanh is recovered from P (before dropout) rather than kept from above: t = (log2 P +
-      // lse*log2e) / scale_log2 (less the ALiBi bias) costs one MUFU op per score and no registers across the dP
-      // GEMM. P = 0 (masked, or too small to matter) has dS = 0 whatever t is.
+      // dQ / dK epilogues. tanh is recovered from P (before dropout) rather than kept from above: t = log2 P /
+      // scale_log2 + lse*log2e / scale_log2 (less the ALiBi bias) costs one MUFU op per score and no registers
+      // across the dP GEMM. The factor is clamped at 0, which also gives P = 0 (masked, or too small to matter;
+      // t = -inf or NaN there) dS = 0 in one FMNMX: this loop's instructions are exposed between the GEMMs.
       const float inv_scale_log2 = 1.f / p.scale_log2;
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
-        const float row_distance = alibi_row_distance(c, mi, row_offset, col_offset, diagonal);
+      auto apply_dtanh = [&](auto with_alibi) {
         CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(dp); ++ni) {
-          const float bias = alibi * fabsf(row_distance - alibi_col_step(c, ni));
-          const float t = (__log2f(s(mi, ni)) + lse_log2[mi]) * inv_scale_log2 - bias;
-          dp(mi, ni) = s(mi, ni) > 0.f ? dp(mi, ni) * (1.f - t * t) : 0.f;
+        for (int mi = 0; mi < kRows; ++mi) {
+          const float row_term = lse_log2[mi] * inv_scale_log2;
+          const float row_distance =
+              with_alibi ? alibi_row_distance(c, mi, row_offset, col_offset, diagonal) : 0.f;
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(dp); ++ni) {
+            float t = fmaf(__log2f(s(mi, ni)), inv_scale_log2, row_term);
+            if constexpr (decltype(with_alibi)::value) t -= alibi * fabsf(row_distance - alibi_col_step(c, ni));
+            dp(mi, ni) *= fmaxf(1.f - t * t, 0.f);
+          }
         }
+      };
+      if (alibi != 0.f) {
+        apply_dtanh(std::true_type{});
+      } else {
+        apply_dtanh(std::false_type{});
       }
     }
     if (dropout && p.softcap_in > 0.f) {  // P becomes what the forward multiplied V by: dropped, the kept rescaled
