@@ -340,6 +340,7 @@ def run_host(args):
 FEATURES = {
     "none": (False, {}), "causal": (True, {}),
     "softcap": (False, dict(softcap=30.0)), "softcap_causal": (True, dict(softcap=30.0)),
+    "softcap50": (False, dict(softcap=50.0)),
     "sink": (False, "sink"), "sink_causal": (True, "sink"),
     "alibi": (False, "alibi"), "alibi_causal": (True, "alibi"),
     "window128": (True, dict(window_size=(127, 0))), "window1k": (True, dict(window_size=(1023, 0))), "window4k": (True, dict(window_size=(4095, 0))),
