@@ -100,6 +100,37 @@ def test_features_match_reference(case, dtype, require_kernel):
 
 
 @gpu
+@pytest.mark.parametrize("with_sink", [False, True], ids=["nosink", "sink"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("softcap", [30.0, 50.0])
+@pytest.mark.parametrize("d", [64, 128])
+def test_softcap_rows_at_either_end_of_its_range(d, softcap, dtype, with_sink, require_kernel):
+    """Scores at the ends of softcap's range: the forward's softcap loop may fix the softmax's max instead of tracking
+    it (fwd_kernel.h), so P, l and O must hold there. Head 0: every score of a row within [1, 3] softcaps of +softcap
+    or of -softcap (rows alternate in runs of 37), weights still far from uniform; head 1: every row spans both ends."""
+    require_kernel("bwd", d, dtype)
+    b, n, h = 1, 300, 2
+    u = torch.randn(d, device="cuda")
+    u = u / u.norm() * d ** 0.5
+    # k_j = c_j u + noise; q_i = +-a u with a |u|^2 / sqrt(d) = 2 softcap: the scaled score is about 2 softcap c_j.
+    uniform = lambda lo, hi: torch.empty(n, device="cuda").uniform_(lo, hi)  # noqa: E731
+    c = torch.stack([uniform(0.5, 1.5), uniform(-1.5, 1.5)], dim=-1)  # (n, h)
+    k = (c[None, :, :, None] * u + 0.3 * torch.randn(b, n, h, d, device="cuda")).to(dtype)
+    sign = torch.where((torch.arange(n, device="cuda") // 37) % 2 == 0, 1.0, -1.0)
+    a = 2 * softcap / d ** 0.5
+    q = (a * sign[None, :, None, None] * u + 0.3 * torch.randn(b, n, h, d, device="cuda")).to(dtype)
+    v = randn(b, n, h, d, dtype=dtype)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    sink = randn(h, dtype=dtype, requires_grad=True) if with_sink else None
+    options = _options(False, (-1, -1), softcap)
+    out = fa2.attention(q, k, v, sink=sink, **options)
+    _, lse = fa2.fwd(q.detach(), k.detach(), v.detach(), sink=sink, **options)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v] + ([sink] if with_sink else []), dout)
+    check_against_reference(out, lse, grads, q, k, v, sink, dout, options, f"d{d} cap{softcap} {dtype}")
+
+
+@gpu
 @pytest.mark.parametrize("head_dim", [20, 100])
 def test_features_with_a_padded_head_dim(head_dim, require_kernel):
     require_kernel("bwd", head_dim, torch.bfloat16)

@@ -134,9 +134,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
       if (mask) apply_mask(acc_s, tScS, p, row_offset, n_block * kBlockN, seq.seqlen_q, seq.seqlen_k);
     }
   };
+  // Softcap without ALiBi bounds every score: t = tanh(.) is in [-1, 1], so with m fixed at 0 every P = exp2(t *
+  // scale_log2) lies in 2^[-72.2, 72.2] for softcap <= 50 (scale_log2 = softcap * log2 e). The loop then skips the
+  // running max (an FMNMX per score) and the rescale test (docs/tuning.md#softcap-fixed-max). bf16 only: P goes to the
+  // P V GEMM in the input type, and fp16's range (2^-24 to 2^16) cannot hold that span, bf16's (fp32's) can. It narrows
+  // the |V| that O holds in fp32: below 2^128 / (seqlen_k * 2^72.2), 2^35 at 2^20 keys, and above 2^-54 for rows at the
+  // range's low end (products under 2^-126 flush). Not with a sink: finalize() combines it with m in the exp domain,
+  // where m = 0 against a sink beyond +-87 underflows.
+  constexpr bool kFixedMaxType = std::is_same_v<Element, cutlass::bfloat16_t>;
+  const bool fixed_max = kFixedMaxType && kSplitAlibi && softcap && alibi == 0.f && p.sink == nullptr &&
+                         p.score_scale <= 50.f;
+  if (fixed_max) softmax.fix_max(0.f);
   const DropoutDraw draw(p, batch, head);
   auto softmax_pv = [&](auto& acc_s, int n_block, int kv_offset) {
-    softmax.update<kSplitAlibi>(acc_s, acc_o, p.scale_log2, alibi_rows);  // l sums the probabilities before dropout
+    // l sums the probabilities before dropout
+    softmax.update<kSplitAlibi>(acc_s, acc_o, p.scale_log2, alibi_rows, fixed_max);
     if (dropout) {
       Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
       for_each_kept<kBlockN >= 64 ? 4 : 0, /*kInline=*/true>(acc_s, tScS, draw, row_offset, n_block * kBlockN,

@@ -36,11 +36,19 @@ struct OnlineSoftmax {
   // correction is 0 and acc_o (still zero) stays zero: no special first iteration.
   // With kRowBias the tile holds S - row_bias (a term constant along each row, deferred: ALiBi's, mask.h
   // apply_alibi_split): m and P are still those of S, at one FADD per row instead of one per score.
+  // fixed_max: m was set once (fix_max) to a bound of every score, so there is nothing to raise or rescale.
   template <bool kRowBias = false, typename TensorS, typename TensorO>
   __device__ __forceinline__ void update(TensorS& acc_s, TensorO& acc_o, float scale_log2,
-                                         const float* row_bias = nullptr) {
-    rescale<kRowBias>(acc_s, acc_o, scale_log2, row_bias);
+                                         const float* row_bias = nullptr, bool fixed_max = false) {
+    if (!fixed_max) rescale<kRowBias>(acc_s, acc_o, scale_log2, row_bias);
     exponentiate<kRowBias>(acc_s, scale_log2, row_bias);
+  }
+
+  // Use m = `m` for every row from here on, without a running max: only where every score s is known to keep
+  // exp2((s - m) * scale_log2) and the sums of those within fp32 (the forward's softcap, whose scores are tanh values).
+  __device__ __forceinline__ void fix_max(float m) {
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) row_max[mi] = m;
   }
 
   // update()'s first half: raise m where needed, rescaling l and acc_o by the correction.
