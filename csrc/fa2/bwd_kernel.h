@@ -48,6 +48,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   // Query blocks that see at least one key of this block (mask.h).
   const int2 m_blocks = query_blocks<kBlockM, kBlockN>(p, n_block, seq.seqlen_q, seq.seqlen_k);
   const int m_block_begin = m_blocks.x, m_block_end = m_blocks.y;
+  const UnmaskedRows unmasked =
+      unmasked_rows(p, Traits::kBlockMSdP, col_offset, kBlockN, seq.seqlen_q, seq.seqlen_k);
   const float alibi = alibi_slope(p, batch, head);
   const DropoutDraw draw(p, batch, head);
 
@@ -157,7 +159,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
       cp_async_fence();
     }
 
-    bwd_p_ds_block<Traits>(p, sQ, sdO, sK, sV, sP, sdS, lse, d_sum, alibi, draw, row_offset, col_offset,
+    bwd_p_ds_block<Traits>(p, sQ, sdO, sK, sV, sP, sdS, lse, d_sum, alibi, draw, unmasked, row_offset, col_offset,
                            seq.seqlen_q, seq.seqlen_k);
     __syncthreads();  // sP and sdS complete: every warp reads all of them below
 
@@ -284,7 +286,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const __gr
     cp_async_wait<0>();
     __syncthreads();
     bwd_p_ds_block<Traits>(p, sQ, sdO, sK, sV, sP, sdS, p.lse + seq.stats_row, p.d_sum + seq.stats_row, alibi,
-                           draw, row_offset, col_offset, seq.seqlen_q, seq.seqlen_k);
+                           draw, unmasked_rows(p, Traits::kBlockMSdP, col_offset, kBlockN, seq.seqlen_q, seq.seqlen_k),
+                           row_offset, col_offset, seq.seqlen_q, seq.seqlen_k);
     __syncthreads();
     bwd_dq_tile<Traits>(acc_dq, sdS, sKt);
   }

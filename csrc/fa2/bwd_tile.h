@@ -27,11 +27,12 @@ __device__ __forceinline__ auto fragment_shape() {
 // P = exp2(S*scale_log2 - lse*log2e) (the forward's probabilities, recomputed), dP = dO V^T, dS = P * (dP - D)
 // (softcap: times tanh's derivative); P and dS are written to shared memory. The caller synchronises before
 // reading sP / sdS. With dropout (Z kept, 1/(1-p) = dropout_scale): sP = P Z / (1-p) for dV, and
-// dS = P (Z dP / (1-p) - D), D = rowsum(dO O) being unchanged.
+// dS = P (Z dP / (1-p) - D), D = rowsum(dO O) being unchanged. `mask`: the tile may hold scores outside the band or
+// past seqlen_k (UnmaskedRows, mask.h).
 template <typename Traits, typename SmemQ, typename SmemKV, typename SmemPdS>
 __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, SmemQ const& sdO, SmemKV const& sK,
                                          SmemKV const& sV, SmemPdS& sP, SmemPdS& sdS, const float* lse,
-                                         const float* d_sum, float alibi, DropoutDraw const& draw,
+                                         const float* d_sum, float alibi, DropoutDraw const& draw, bool mask,
                                          int row_offset, int col_offset, int seqlen_q, int seqlen_k) {
   using Element = typename Traits::Element;
   using BlockS = Shape<Int<Traits::kBlockMSdP>, Int<Traits::kBlockN>>;
@@ -65,8 +66,6 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
   const int diagonal = seqlen_k - seqlen_q;
   // One branch for every score transform, as the mask alone had (a branch is a scheduling barrier in the loop
   // every plain tile runs).
-  const bool mask = tile_needs_mask(p, row_offset, Traits::kBlockMSdP, col_offset, Traits::kBlockN, seqlen_q,
-                                    seqlen_k);
   if (mask || p.softcap_in > 0.f || alibi != 0.f) {
     if (p.softcap_in > 0.f) apply_softcap(acc_s, p.softcap_in);
     if (alibi != 0.f) apply_alibi(acc_s, tScS, alibi, row_offset, col_offset, diagonal);
@@ -162,13 +161,13 @@ __device__ __forceinline__ void bwd_p_ds(BwdParams const& p, SmemQ const& sQ, Sm
 }
 
 // S, P, dP and dS for a query block, kBlockMSdP rows at a time (traits.h): the row slabs of sQ, sdO,
-// sP and sdS are sub-tiles of the block's.
+// sP and sdS are sub-tiles of the block's. `unmasked`: unmasked_rows (mask.h) for kBlockMSdP-row tiles at col_offset.
 template <typename Traits, typename SmemQ, typename SmemKV, typename SmemPdS>
 __device__ __forceinline__ void bwd_p_ds_block(BwdParams const& p, SmemQ const& sQ, SmemQ const& sdO,
                                                SmemKV const& sK, SmemKV const& sV, SmemPdS& sP, SmemPdS& sdS,
                                                const float* lse, const float* d_sum, float alibi,
-                                               DropoutDraw const& draw, int row_offset, int col_offset, int seqlen_q,
-                                               int seqlen_k) {
+                                               DropoutDraw const& draw, UnmaskedRows const& unmasked, int row_offset,
+                                               int col_offset, int seqlen_q, int seqlen_k) {
   constexpr int kSlab = Traits::kBlockMSdP;
   using SlabQ = Shape<Int<kSlab>, Int<Traits::kHeadDim>>;
   using SlabS = Shape<Int<kSlab>, Int<Traits::kBlockN>>;
@@ -177,8 +176,8 @@ __device__ __forceinline__ void bwd_p_ds_block(BwdParams const& p, SmemQ const& 
     Tensor sP_h = local_tile(sP, SlabS{}, make_coord(h, 0));
     Tensor sdS_h = local_tile(sdS, SlabS{}, make_coord(h, 0));
     bwd_p_ds<Traits>(p, local_tile(sQ, SlabQ{}, make_coord(h, 0)), local_tile(sdO, SlabQ{}, make_coord(h, 0)), sK,
-                     sV, sP_h, sdS_h, lse, d_sum, alibi, draw, row_offset + h * kSlab, col_offset, seqlen_q,
-                     seqlen_k);
+                     sV, sP_h, sdS_h, lse, d_sum, alibi, draw, unmasked.needs_mask(row_offset + h * kSlab),
+                     row_offset + h * kSlab, col_offset, seqlen_q, seqlen_k);
   }
 }
 

@@ -61,13 +61,22 @@ __device__ __forceinline__ int2 query_blocks(FwdParams const& p, int n_block, in
   return make_int2(begin, end);
 }
 
-// Whether the (rows, cols) tile at (row_offset, col_offset) may hold an element outside the band or past seqlen_k.
-__device__ __forceinline__ bool tile_needs_mask(FwdParams const& p, int row_offset, int rows, int col_offset,
-                                                int cols, int seqlen_q, int seqlen_k) {
+// The row offsets at which a (rows, cols) tile at col_offset holds no element outside the band or past seqlen_k,
+// computed once per key block: the backward's loop over query tiles then tests two bounds per tile instead of redoing
+// the window arithmetic (loads of the window fields and three branches in every plain tile's path).
+struct UnmaskedRows {
+  int lo, hi;  // no mask for lo <= row_offset <= hi; empty (lo > hi) when the key block runs past seqlen_k
+  __device__ __forceinline__ bool needs_mask(int row_offset) const { return row_offset < lo || row_offset > hi; }
+};
+__device__ __forceinline__ UnmaskedRows unmasked_rows(FwdParams const& p, int rows, int col_offset, int cols,
+                                                      int seqlen_q, int seqlen_k) {
+  if (col_offset + cols > seqlen_k) return {INT_MAX, INT_MIN};
   const int diagonal = seqlen_k - seqlen_q;
-  return col_offset + cols > seqlen_k ||
-         (p.window_right >= 0 && col_offset + cols - 1 > row_offset + diagonal + p.window_right) ||
-         (p.window_left >= 0 && col_offset < row_offset + rows - 1 + diagonal - p.window_left);
+  // The last column within the band's right edge: row_offset + diagonal + right >= col_offset + cols - 1.
+  const int lo = p.window_right >= 0 ? col_offset + cols - 1 - diagonal - p.window_right : INT_MIN;
+  // The tile's last row sees the first column: row_offset + rows - 1 + diagonal - left <= col_offset.
+  const int hi = p.window_left >= 0 ? col_offset - rows + 1 - diagonal + p.window_left : INT_MAX;
+  return {lo, hi};
 }
 
 // Set scores outside the band or past seqlen_k to -inf. `coord` is the MMA partition of an identity tensor
