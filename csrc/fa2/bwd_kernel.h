@@ -285,9 +285,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const __gr
     cp_async_fence();
     cp_async_wait<0>();
     __syncthreads();
+    const UnmaskedRows unmasked =
+        unmasked_rows(p, Traits::kBlockMSdP, col_offset, kBlockN, seq.seqlen_q, seq.seqlen_k);
     bwd_p_ds_block<Traits>(p, sQ, sdO, sK, sV, sP, sdS, p.lse + seq.stats_row, p.d_sum + seq.stats_row, alibi,
-                           draw, unmasked_rows(p, Traits::kBlockMSdP, col_offset, kBlockN, seq.seqlen_q, seq.seqlen_k),
-                           row_offset, col_offset, seq.seqlen_q, seq.seqlen_k);
+                           draw, unmasked, row_offset, col_offset, seq.seqlen_q, seq.seqlen_k);
     __syncthreads();
     bwd_dq_tile<Traits>(acc_dq, sdS, sKt);
   }

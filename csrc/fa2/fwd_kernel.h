@@ -100,6 +100,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   // One key block's two GEMMs and the softmax between them; sK/sV hold its K and V at `kv_offset`.
   // P goes to the second MMA as its A operand, straight from registers.
   constexpr bool kLogits = kTransforms != ScoreTransforms::kNone;
+  // A window's left edge masks in the other instances only (score_transforms, params.h), so the plain loop's mask
+  // code is causal's and seqlen_k's alone.
+  constexpr bool kLeftBand = kLogits;
   const float alibi = kLogits ? alibi_slope(p, batch, head) : 0.f;
   const bool softcap = kLogits && p.softcap_in > 0.f;
   const bool transform_scores = softcap || alibi != 0.f;
@@ -114,7 +117,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
             smem_copy_k, smem_thr_q, smem_thr_k);
     // One branch for all of them, as the mask alone had: each branch between the GEMM and the softmax is a
     // scheduling barrier in the loop every plain tile runs.
-    const bool mask = n_block >= blocks.right_masked_begin || n_block < blocks.left_masked_end;
+    const bool mask = n_block >= blocks.right_masked_begin || (kLeftBand && n_block < blocks.left_masked_end);
     if (transform_scores || mask) {
       if (softcap) apply_softcap(acc_s, p.softcap_in);
       if (alibi != 0.f) {
@@ -131,7 +134,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
           for (int mi = 0; mi < kRowsPerThread; ++mi) alibi_rows[mi] = 0.f;
         }
       }
-      if (mask) apply_mask(acc_s, tScS, p, row_offset, n_block * kBlockN, seq.seqlen_q, seq.seqlen_k);
+      if (mask) apply_mask<kLeftBand>(acc_s, tScS, p, row_offset, n_block * kBlockN, seq.seqlen_q, seq.seqlen_k);
     }
   };
   // Softcap without ALiBi bounds every score: t = tanh(.) is in [-1, 1], so with m fixed at 0 every P = exp2(t *

@@ -61,11 +61,12 @@ __device__ __forceinline__ int2 query_blocks(FwdParams const& p, int n_block, in
   return make_int2(begin, end);
 }
 
-// The row offsets at which a (rows, cols) tile at col_offset holds no element outside the band or past seqlen_k,
-// computed once per key block: the backward's loop over query tiles then tests two bounds per tile instead of redoing
-// the window arithmetic (loads of the window fields and three branches in every plain tile's path).
+// The row offsets at which a (rows, cols) tile at col_offset holds no element outside the band or past seqlen_k. The
+// backward's kernel computes them once per key block, so its loop over query tiles tests two bounds per tile instead
+// of redoing the window arithmetic (the window fields' loads and a chain of five branches in every plain tile's path).
 struct UnmaskedRows {
-  int lo, hi;  // no mask for lo <= row_offset <= hi; empty (lo > hi) when the key block runs past seqlen_k
+  int lo, hi;  // no mask for lo <= row_offset <= hi; empty (lo > hi) when the key block runs past seqlen_k or the band
+               // is narrower than a tile
   __device__ __forceinline__ bool needs_mask(int row_offset) const { return row_offset < lo || row_offset > hi; }
 };
 __device__ __forceinline__ UnmaskedRows unmasked_rows(FwdParams const& p, int rows, int col_offset, int cols,
@@ -81,7 +82,8 @@ __device__ __forceinline__ UnmaskedRows unmasked_rows(FwdParams const& p, int ro
 
 // Set scores outside the band or past seqlen_k to -inf. `coord` is the MMA partition of an identity tensor
 // over the score tile, so coord(i) is the (row, col) within the tile of acc_s(i).
-template <typename TensorS, typename CoordS>
+// kLeftBand = false: the caller knows window_left < 0 (the forward's plain instance), so only the right edge is tested.
+template <bool kLeftBand = true, typename TensorS, typename CoordS>
 __device__ __forceinline__ void apply_mask(TensorS& acc_s, CoordS const& coord, FwdParams const& p, int row_offset,
                                            int col_offset, int seqlen_q, int seqlen_k) {
   Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));
@@ -90,12 +92,12 @@ __device__ __forceinline__ void apply_mask(TensorS& acc_s, CoordS const& coord, 
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(s); ++mi) {
     const int row = row_offset + get<0>(c(mi, 0));
-    const int col_begin = p.window_left >= 0 ? row + diagonal - p.window_left : INT_MIN;
+    const int col_begin = kLeftBand && p.window_left >= 0 ? row + diagonal - p.window_left : INT_MIN;
     const int col_end = p.window_right >= 0 ? min(seqlen_k, row + diagonal + p.window_right + 1) : seqlen_k;
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(s); ++ni) {
       const int col = col_offset + get<1>(c(0, ni));
-      if (col >= col_end || col < col_begin) s(mi, ni) = -INFINITY;
+      if (col >= col_end || (kLeftBand && col < col_begin)) s(mi, ni) = -INFINITY;
     }
   }
 }

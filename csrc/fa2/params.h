@@ -60,11 +60,12 @@ struct FwdParams {
 
 // The per-score transforms a forward instance compiles in; the launch picks the smallest that covers the call
 // (docs/tuning.md#features-off).
-enum class ScoreTransforms { kNone, kLogits /* softcap, ALiBi */, kAll /* softcap, ALiBi, dropout */ };
+// A window's left edge goes with them (kNone masks causal's and seqlen_k's edges only).
+enum class ScoreTransforms { kNone, kLogits /* softcap, ALiBi, left edge */, kAll /* and dropout */ };
 
 inline ScoreTransforms score_transforms(FwdParams const& p) {
   if (p.rng_state != nullptr) return ScoreTransforms::kAll;
-  if (p.softcap_in > 0.f || p.alibi_slopes != nullptr) return ScoreTransforms::kLogits;
+  if (p.softcap_in > 0.f || p.alibi_slopes != nullptr || p.window_left >= 0) return ScoreTransforms::kLogits;
   return ScoreTransforms::kNone;
 }
 
