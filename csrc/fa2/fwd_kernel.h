@@ -19,8 +19,9 @@ namespace fa2 {
 using namespace cute;
 
 // kTransforms: which of softcap, ALiBi and dropout are compiled in (the launch picks the smallest instance that covers
-// the call: their code costs the plain loop registers and scheduling, docs/tuning.md#features-off). Window and sink are
-// always in: they move loop bounds and the epilogue, not the loop.
+// the call: their code costs the plain loop registers and scheduling, docs/tuning.md#features-off). A window's left
+// edge comes with them, as its mask code alone moved the plain loop's schedule; a right edge (causal's) and sinks are
+// in every instance.
 template <typename Traits, ScoreTransforms kTransforms>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ FwdParams p) {
   using Element = typename Traits::Element;
