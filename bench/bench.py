@@ -343,7 +343,8 @@ FEATURES = {
     "softcap50": (False, dict(softcap=50.0)),
     "sink": (False, "sink"), "sink_causal": (True, "sink"),
     "alibi": (False, "alibi"), "alibi_causal": (True, "alibi"),
-    "window128": (True, dict(window_size=(127, 0))), "window1k": (True, dict(window_size=(1023, 0))), "window4k": (True, dict(window_size=(4095, 0))),
+    "window128": (True, dict(window_size=(127, 0))), "window1k": (True, dict(window_size=(1023, 0))),
+    "window4k": (True, dict(window_size=(4095, 0))),
     "dropout": (False, dict(dropout_p=0.1)), "dropout_causal": (True, dict(dropout_p=0.1)),
 }
 
