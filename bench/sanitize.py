@@ -7,7 +7,7 @@
 d256's backward double-buffers Q/dO on the H100, d96's adds dQ between dV and dK; d256's forward has two tiles).
 Both modes then run every head dim again with a block limited to 99 KB (csrc/CONTRACT.md: set_test_overrides), the
 configurations of consumer GPUs (csrc/fa2/config.h), padded and packed: d256's keeps P and dS in the bytes of V.
-Last, the cases again with a sliding window (blocks skipped on both sides, rows that see no key), softcap, ALiBi,
+The last two cases are split (split-KV, fwd_combine.h). Last, the cases again with a sliding window (blocks skipped on both sides, rows that see no key), softcap, ALiBi,
 dropout and sinks; --features runs only those, then once more on 99 KB configurations.
 """
 import sys
@@ -24,6 +24,8 @@ CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal)
     (1, 200, 200, 2, 2, 256, True),
     (1, 1030, 100, 2, 2, 256, False),  # d256's forward takes its 128-row tile past 1024 (64-row below)
     (1, 65, 129, 2, 2, 96, False),
+    (2, 1, 1500, 8, 2, 128, False),  # a GQA decode: packed and split (fwd_combine.h)
+    (1, 3, 900, 4, 4, 64, True),     # a few rows against a cache: split
 ]
 VARLEN = [  # (lengths_q, lengths_k, nheads, nheads_k, head_dim, causal): empty, single-token, cross lengths
     ([0, 1, 77, 130, 5], [3, 0, 64, 129, 5], 4, 2, 64, True),

@@ -258,10 +258,11 @@ def test_flash_attn_func_takes_window_softcap_and_alibi(require_kernel):
 
 @gpu
 def test_forward_runs_the_smallest_instance_that_covers_the_call(require_kernel):
-    """The forward's main tile has three instances (fwd_launch.h): plain, softcap, ALiBi and a window's left edge
-    (kLogits), and everything (kAll, for dropout). Sinks and a right edge alone (causal's) run in the plain one."""
+    """The forward's main tile has three instances (fwd_launch.h): plain, softcap, ALiBi, a window's left edge and
+    split-KV (kLogits), and everything (kAll, for dropout). Sinks and a right edge alone (causal's) run in the plain
+    one. The shape fills the GPU (1024 CTAs), so the launch does not split it."""
     require_kernel("fwd", 128, torch.bfloat16)
-    q, k, v = (randn(1, 2048, 2, 128) for _ in range(3))
+    q, k, v = (randn(8, 2048, 8, 128) for _ in range(3))
     state = torch.tensor([1, 2], device="cuda")
     names = ["kNone", "kLogits", "kAll"]
 
@@ -275,11 +276,13 @@ def test_forward_runs_the_smallest_instance_that_covers_the_call(require_kernel)
         value = re.search(r"ScoreTransforms(?:\)|::)(\w+)>", kernels.pop()).group(1)
         return names[int(value)] if value.isdigit() else value
 
-    assert instance() == "kNone" and instance(causal=True, sink=torch.randn(2, device="cuda")) == "kNone"
+    assert instance() == "kNone" and instance(causal=True, sink=torch.randn(8, device="cuda")) == "kNone"
     assert instance(window_size=(-1, 100)) == "kNone" and instance(window_size=(100, 0)) == "kLogits"
-    assert instance(softcap=20.0) == "kLogits" and instance(alibi_slopes=torch.ones(2, device="cuda")) == "kLogits"
+    assert instance(softcap=20.0) == "kLogits" and instance(alibi_slopes=torch.ones(8, device="cuda")) == "kLogits"
     assert instance(dropout_p=0.1, rng_state=state) == "kAll"
-    assert instance(dropout_p=0.1, rng_state=state, softcap=20.0, alibi_slopes=torch.ones(2, device="cuda")) == "kAll"
+    assert instance(dropout_p=0.1, rng_state=state, softcap=20.0, alibi_slopes=torch.ones(8, device="cuda")) == "kAll"
+    q, k, v = randn(1, 1, 8, 128), randn(1, 8192, 8, 128), randn(1, 8192, 8, 128)  # a decode: 8 CTAs, split
+    assert instance() == "kLogits"
 
 
 # ------------------------------------------------------------------------------------------------ dropout

@@ -8,6 +8,8 @@
 // 40xx, 50xx; A10, L4, L40) 99 KB. Every head dim has a configuration that fits 99 KB, forward and backward.
 #pragma once
 
+#include "fa2/params.h"
+
 namespace fa2 {
 
 // ------------------------------------------------------------------------------------------------ forward
@@ -44,6 +46,26 @@ template <int kHeadDim> struct FwdNarrowConfig {
   static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4, kStages = 1;
   static constexpr int kMaxSeqlen = kHeadDim == 256 ? 1024 : 0, kMaxSeqlenCausal = kHeadDim == 256 ? 2048 : 0;
 };
+
+// Split-KV (fwd_combine.h), for forwards whose CTAs cannot fill the GPU, as decoding's (a query row or a few per
+// sequence against a long KV cache): each query block's key blocks are divided among `splits` CTAs and a combine
+// kernel merges their partial results. The count minimises the modelled time, waves x (key blocks per split +
+// kSplitFixedBlocks, a CTA's Q load and epilogue in key blocks' worth), the fewest splits on a tie; each split keeps
+// at least kMinSplitKeyBlocks, and the grid's batch x splits stays within CUDA's 65535. ctas: the forward's CTAs
+// without splits; slots: CTAs resident at once.
+//                                                                           docs/tuning.md#split-kv
+constexpr int kMinSplitKeyBlocks = 4, kSplitFixedBlocks = 2;  // kMaxSplits: params.h
+constexpr int fwd_num_splits(long long ctas, int batch, int slots, int key_blocks) {
+  if (ctas <= 0 || slots <= 0 || ctas >= slots || key_blocks < 2 * kMinSplitKeyBlocks) return 1;
+  int best = 1;
+  long long best_time = -1;
+  for (int s = 1; s <= kMaxSplits && s * kMinSplitKeyBlocks <= key_blocks && 1ll * batch * s <= 65535; ++s) {
+    const long long waves = (ctas * s + slots - 1) / slots;
+    const long long time = waves * ((key_blocks + s - 1) / s + kSplitFixedBlocks);
+    if (best_time < 0 || time < best_time) best = s, best_time = time;
+  }
+  return best;
+}
 
 // ------------------------------------------------------------------------------------------------ backward
 // (kBlockM, kBlockN, Q/dO stages) per head dim, on 8 warps.                docs/tuning.md#backward-tiles

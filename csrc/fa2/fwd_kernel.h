@@ -37,13 +37,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
 
   const BlockHead work = scheduled_block</*kHeavyLast=*/true>(p);
   const int m_block = work.block, head = work.head;
-  const int batch = blockIdx.z;
+  // Split-KV (params.h) runs in the instances with transforms only: its code, even unused, moved the plain loop's
+  // schedule (docs/tuning.md#split-kv), so a split call is one with transforms (score_transforms).
+  constexpr bool kSplitKV = kTransforms != ScoreTransforms::kNone;
+  const bool splits = kSplitKV && p.num_splits > 1;
+  const int batch = splits ? int(blockIdx.z) % p.batch : int(blockIdx.z);
+  const int split = splits ? int(blockIdx.z) / p.batch : 0;
   const int head_kv = head / (p.nheads / p.nheads_k);  // GQA/MQA: query heads share a K/V head
   const int tid = threadIdx.x;
   const int row_offset = m_block * kBlockM;
   const SeqInfo seq(p, batch, head);
   if (row_offset >= seq.seqlen_q) return;  // varlen: the grid is sized for the longest sequence
-  const KeyBlocks blocks = key_blocks<kBlockM, kBlockN>(p, m_block, seq.seqlen_q, seq.seqlen_k);
+  KeyBlocks blocks = key_blocks<kBlockM, kBlockN>(p, m_block, seq.seqlen_q, seq.seqlen_k);
+  if (splits) blocks = split_share(blocks, split, p.num_splits);
   const int n_block_begin = blocks.begin, n_block_end = blocks.end;
 
   // Full tensors of this (sequence, head), then this block's tiles.
@@ -237,8 +243,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     }
   }
 
-  // Epilogue: normalise, write lse, stage O through shared memory for 16-byte coalesced stores.
   float lse[kRowsPerThread];
+  if (splits) {
+    // Split-KV: this split's O and lse in fp32, straight from registers (a decode's few rows), for fwd_combine.h,
+    // which adds the sink once per row.
+    softmax.finalize(acc_o, p.score_scale, nullptr, p.dropout_scale, lse);
+    Tensor o = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));
+    Tensor c = make_tensor(tOcO.data(), rowcol_layout(tOcO.layout()));
+    const int64_t split_row0 = split * p.lse_rows + seq.stats_row + row_offset;
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRowsPerThread; ++mi) {
+      const int row = get<0>(c(mi, 0));
+      if (row >= seq.seqlen_q - row_offset) continue;
+      if (get<1>(c(0, 0)) == 0) p.lse_partial[split_row0 + row] = lse[mi];
+      float* o_row = p.o_partial + (split_row0 + row) * p.head_dim;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(o); ++ni) {
+        const int col = get<1>(c(mi, ni));
+        if (col < p.head_dim) o_row[col] = o(mi, ni);
+      }
+    }
+    return;
+  }
+
+  // Epilogue: normalise, write lse, stage O through shared memory for 16-byte coalesced stores.
   softmax.finalize(acc_o, p.score_scale, p.sink == nullptr ? nullptr : p.sink + head, p.dropout_scale, lse);
   {
     Tensor c = make_tensor(tOcO.data(), rowcol_layout(tOcO.layout()));

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "fa2/config.h"
+#include "fa2/fwd_combine.h"
 #include "fa2/fwd_kernel.h"
 #include "fa2/launch.h"
 #include "fa2/traits.h"
@@ -24,7 +25,7 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   const int limit = block_smem_limit(params);
   if (smem > limit) throw_smem_too_small("forward", params.head_dim, smem, limit);
   allow_smem<kernel>(smem, "fwd smem");
-  const dim3 grid(ceil_div_host(params.seqlen_q, Traits::kBlockM), params.nheads, params.batch);
+  const dim3 grid(ceil_div_host(params.seqlen_q, Traits::kBlockM), params.nheads, params.batch * params.num_splits);
   FwdParams p = params;
   if (p.causal && p.head_group == 0) {
     const int ctas_per_sm = Traits::kNWarps == 4 ? 2 : 1;  // 4 warps at <= 255 registers: two CTAs per SM; 8: one
@@ -32,6 +33,11 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   }
   kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
   check_cuda(cudaGetLastError(), "fwd launch");
+  if (p.num_splits > 1) {
+    const int blocks = int((p.lse_rows + kCombineWarps - 1) / kCombineWarps);
+    fwd_combine_kernel<typename Traits::Element><<<blocks, 32 * kCombineWarps, 0, stream>>>(p);
+    check_cuda(cudaGetLastError(), "fwd combine launch");
+  }
 }
 
 template <int kHeadDim, DType kDType>

@@ -45,6 +45,15 @@ __device__ __forceinline__ KeyBlocks key_blocks(FwdParams const& p, int m_block,
   return b;
 }
 
+// Split-KV: split `split` of `splits` takes an equal run of the visited key blocks (the last run may be shorter or
+// empty); the mask bounds stay the query block's.
+__device__ __forceinline__ KeyBlocks split_share(KeyBlocks b, int split, int splits) {
+  const int per = ceil_div(max(b.end - b.begin, 0), splits);
+  b.begin = min(b.begin + split * per, b.end);
+  b.end = min(b.begin + per, b.end);
+  return b;
+}
+
 // The query blocks [begin, end) that see at least one key of key block n_block.
 template <int kBlockM, int kBlockN>
 __device__ __forceinline__ int2 query_blocks(FwdParams const& p, int n_block, int seqlen_q, int seqlen_k) {

@@ -11,6 +11,8 @@ struct Strides {
   int64_t batch = 0, row = 0, head = 0;
 };
 
+constexpr int kMaxSplits = 128;  // split-KV's most splits (FwdParams::num_splits): fwd_combine.h's shared memory
+
 struct FwdParams {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -49,6 +51,15 @@ struct FwdParams {
   int smem_limit = 0;      // shared memory a block may use, bytes; 0 = the device's opt-in maximum. A test
                            // lowers it to run another GPU's configurations (config.h) on this one
 
+  // Split-KV (config.h: fwd_num_splits): with num_splits > 1, CTA blockIdx.z = split * batch + batch entry, and split s
+  // takes its share of every query block's key blocks (mask.h: split_share). It writes its rows' O, normalised over
+  // its own keys, and their lse (without the sink) to the partials, whose rows are lse's rows (lse_rows of them) once
+  // per split; fwd_combine.h merges them into o and lse.
+  int num_splits = 1;  // at most kMaxSplits
+  int64_t lse_rows = 0;
+  float* o_partial = nullptr;    // (num_splits, lse_rows, head_dim) fp32
+  float* lse_partial = nullptr;  // (num_splits, lse_rows) fp32
+
   // Packed variable-length batches (both nullptr for padded ones): sequence b owns tokens
   // [cu_seqlens_q[b], cu_seqlens_q[b+1]) of (total_q, nheads, head_dim) q/o and likewise of k/v. Then the
   // strides' batch field is 0, seqlen_q/seqlen_k are the longest lengths (they size the grid), causal is
@@ -60,12 +71,15 @@ struct FwdParams {
 
 // The per-score transforms a forward instance compiles in; the launch picks the smallest that covers the call
 // (docs/tuning.md#features-off).
-// A window's left edge goes with them (kNone masks causal's and seqlen_k's edges only).
-enum class ScoreTransforms { kNone, kLogits /* softcap, ALiBi, left edge */, kAll /* and dropout */ };
+// A window's left edge and split-KV go with them (kNone masks causal's and seqlen_k's edges only, in one CTA per
+// query block).
+enum class ScoreTransforms { kNone, kLogits /* softcap, ALiBi, left edge, split-KV */, kAll /* and dropout */ };
 
 inline ScoreTransforms score_transforms(FwdParams const& p) {
   if (p.rng_state != nullptr) return ScoreTransforms::kAll;
-  if (p.softcap_in > 0.f || p.alibi_slopes != nullptr || p.window_left >= 0) return ScoreTransforms::kLogits;
+  if (p.softcap_in > 0.f || p.alibi_slopes != nullptr || p.window_left >= 0 || p.num_splits > 1) {
+    return ScoreTransforms::kLogits;
+  }
   return ScoreTransforms::kNone;
 }
 

@@ -65,18 +65,24 @@ PyObject* build_info(PyObject*, PyObject*) {
 }
 
 PyObject* set_test_overrides(PyObject*, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"smem_limit", "head_group", "record", nullptr};
-  int smem_limit = 0, head_group = 0, record = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iip:set_test_overrides", const_cast<char**>(names), &smem_limit,
-                                   &head_group, &record)) {
+  static const char* names[] = {"smem_limit", "head_group", "record", "num_splits", nullptr};
+  int smem_limit = 0, head_group = 0, record = 0, num_splits = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iipi:set_test_overrides", const_cast<char**>(names), &smem_limit,
+                                   &head_group, &record, &num_splits)) {
     return nullptr;
   }
   if (smem_limit < 0 || head_group < 0) {
     PyErr_SetString(PyExc_ValueError, "smem_limit and head_group must be >= 0 (0: chosen at launch)");
     return nullptr;
   }
+  if (num_splits < 0 || num_splits > fa2::kMaxSplits) {
+    PyErr_SetString(PyExc_ValueError, ("num_splits must be in [0, " + std::to_string(fa2::kMaxSplits) +
+                                       "] (0: chosen at launch)").c_str());
+    return nullptr;
+  }
   g_overrides.smem_limit.store(smem_limit);
   g_overrides.head_group.store(head_group);
+  g_overrides.num_splits.store(num_splits);
   g_overrides.record.store(record != 0);
   if (record == 0) {
     std::lock_guard<std::mutex> lock(fa2::host::g_recorded_mutex);
@@ -121,6 +127,7 @@ PyObject* take_recorded_launches(PyObject*, PyObject*) {
     set_item(d, "dropout_scale", PyFloat_FromDouble(p.dropout_scale));
     set_item(d, "cu_seqlens_q", ptr(p.cu_seqlens_q)), set_item(d, "cu_seqlens_k", ptr(p.cu_seqlens_k));
     set_item(d, "total_q", PyLong_FromLong(p.total_q)), set_item(d, "total_k", PyLong_FromLong(p.total_k));
+    set_item(d, "num_splits", PyLong_FromLong(p.num_splits));
     if (l.kind == "bwd") {
       set_item(d, "dout", ptr(p.dout)), set_item(d, "dq", ptr(p.dq)), set_item(d, "dk", ptr(p.dk));
       set_item(d, "dv", ptr(p.dv)), set_item(d, "dq_accum", ptr(p.dq_accum)), set_item(d, "d_sum", ptr(p.d_sum));

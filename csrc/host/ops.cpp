@@ -26,7 +26,8 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
-#include "fa2/launch.h"
+#include "fa2/launch.h"  // first: cuda_runtime.h, which config.h's __host__ __device__ needs
+#include "fa2/config.h"
 #include "host/state.h"
 
 // In libtorch_cuda, which CPU-only builds of torch lack: weak, so that the module still imports there (CI).
@@ -557,6 +558,55 @@ void launch_bwd(const BwdParams& p, DType dtype, int kernel_dim, int device) {
 
 
 // ------------------------------------------------------------------------------------------- the forward
+// Decoding with GQA (one query row, several query heads per K/V head): the heads of a group become the rows of one
+// query block (seqlen_q = group, nheads = nheads_k), so a CTA reads its K/V once for all of them, not once per head.
+// lse's (batch, nheads, 1) rows are the packed (batch, nheads_k, group) ones. With one query row the causal mask
+// and a right bound exclude nothing, so they are dropped; a left bound, ALiBi, a sink or dropout depend on the row
+// or the head and keep the layout as it is.
+void pack_gqa_decode(FwdParams& p, const Tensor& q, const Tensor& out) {
+  if (p.cu_seqlens_q != nullptr || p.seqlen_q != 1 || p.nheads == p.nheads_k || p.window_left >= 0 ||
+      p.alibi_slopes != nullptr || p.sink != nullptr || p.rng_state != nullptr) {
+    return;
+  }
+  const int group = p.nheads / p.nheads_k;
+  p.seqlen_q = group, p.nheads = p.nheads_k;
+  p.q_stride = {q.stride(0), q.stride(2), group * q.stride(2)};
+  p.o_stride = {out.stride(0), out.stride(2), group * out.stride(2)};
+  p.window_right = -1, p.causal = false;
+}
+
+// The forward's main tile for a compiled head dim (config.h), which sizes its grid.
+struct FwdTile {
+  int block_m, block_n, ctas_per_sm;
+};
+template <int D>
+constexpr FwdTile fwd_tile_of() {
+  return {FwdConfig<D>::kBlockM, FwdConfig<D>::kBlockN, FwdConfig<D>::kNWarps == 4 ? 2 : 1};
+}
+FwdTile fwd_tile(int kernel_dim) {
+  switch (kernel_dim) {
+    case 32: return fwd_tile_of<32>();
+    case 64: return fwd_tile_of<64>();
+    case 96: return fwd_tile_of<96>();
+    case 128: return fwd_tile_of<128>();
+    case 160: return fwd_tile_of<160>();
+    case 192: return fwd_tile_of<192>();
+    case 224: return fwd_tile_of<224>();
+    default: return fwd_tile_of<256>();
+  }
+}
+
+// Split-KV's count (config.h: fwd_num_splits), or the test override's. In record mode (CPU tests) there is no GPU
+// to size the grid for: no splits unless overridden.
+int num_splits(const FwdParams& p, int kernel_dim) {
+  const int forced = g_overrides.num_splits.load(std::memory_order_relaxed);
+  if (forced > 0) return forced;
+  if (recording()) return 1;
+  const FwdTile tile = fwd_tile(kernel_dim);
+  const long long ctas = 1ll * ceil_div_host(p.seqlen_q, tile.block_m) * p.nheads * p.batch;
+  return fwd_num_splits(ctas, p.batch, device_sm_count() * tile.ctas_per_sm, ceil_div_host(p.seqlen_k, tile.block_n));
+}
+
 // Padded when cu_q is null. Writes into `out` when given. Returns (out, lse).
 std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor* cu_q,
                                    const Tensor* cu_k, int64_t max_q, int64_t max_k, std::optional<double> softmax_scale,
@@ -587,6 +637,16 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
   }
   FwdParams p;
   fill_common(p, q, k, v, out, lse, s, softmax_scale, causal, f, cu_q, cu_k);
+  pack_gqa_decode(p, q, out);
+  std::optional<Tensor> o_partial, lse_partial;  // split-KV's workspaces, alive until the launches are queued
+  p.num_splits = num_splits(p, kernel_dim);
+  if (p.num_splits > 1) {
+    p.lse_rows = lse.numel();
+    lse_partial = new_tensor(q, {p.num_splits, p.lse_rows}, ScalarType::Float);
+    o_partial = new_tensor(q, {p.num_splits, p.lse_rows, p.head_dim}, ScalarType::Float);
+    p.lse_partial = static_cast<float*>(lse_partial->data_ptr());
+    p.o_partial = static_cast<float*>(o_partial->data_ptr());
+  }
   launch_fwd(p, dtype, kernel_dim, q.get_device_index());
   return {out, lse};
 }

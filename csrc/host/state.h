@@ -26,6 +26,7 @@ inline const std::vector<Instance> kBwdInstances = {FA2_FOR_EACH_BWD(FA2_INSTANC
 struct TestOverrides {
   std::atomic<int> smem_limit{0};  // shared memory a block may use, below the device's: another GPU's configurations
   std::atomic<int> head_group{0};  // causal grids: heads whose blocks go heaviest first together
+  std::atomic<int> num_splits{0};  // forwards: split-KV's split count (config.h: fwd_num_splits), 1..kMaxSplits
   std::atomic<bool> record{false};  // record each launch's parameters instead of launching (CPU tests)
 };
 inline TestOverrides g_overrides;

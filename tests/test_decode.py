@@ -1,0 +1,153 @@
+"""Forwards too small to fill the GPU, decoding's above all (one query row per sequence against a long KV cache).
+GPU: split-KV (a query block's keys divided among CTAs, their partial results merged by fwd_combine.h) and GQA
+packing (a group's query heads as the rows of one block), alone and with the features, against the fp64 reference
+with FlashAttention's rule, outputs poisoned first; the default launch splits a decode and does not split a large
+forward. CPU (recorded launches): which calls are packed, and the split count a test forces."""
+import pytest
+import torch
+
+import fa2
+from fa2 import ops
+from fa2.reference import attention_ref
+from test_features import alibi_slopes, check_against_reference, randn
+from tolerance import assert_close_to_ref, assert_lse_close, assert_written, poison
+
+gpu = pytest.mark.gpu
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, window_size, softcap, sink, alibi)
+CASES = [
+    (2, 1, 1000, 8, 2, 128, True, (-1, -1), 0.0, False, None),     # GQA decode: packed
+    (1, 1, 777, 4, 4, 64, False, (-1, -1), 0.0, False, None),      # MHA decode
+    (3, 7, 513, 8, 1, 96, True, (-1, -1), 0.0, False, None),       # a chunk against the cache, MQA
+    (2, 1, 300, 8, 2, 256, False, (-1, -1), 50.0, False, None),    # softcap, packed
+    (1, 1, 2000, 8, 2, 128, True, (256, 0), 30.0, True, "h"),      # a windowed gpt-oss/Gemma decode: not packed
+    (2, 200, 1200, 4, 2, 64, True, (300, 0), 0.0, True, "bh"),     # many rows, rows that see no key of a split
+]
+CASE_IDS = ["b{}_{}x{}_h{}kv{}_d{}_c{:d}_w{}_{}_cap{}_sink{:d}_alibi{}".format(*c[:7], *c[7], *c[8:])
+            for c in CASES]
+
+
+@pytest.fixture
+def splits(request, launch_overrides):
+    """Forces the forward's split count (0: the launch chooses)."""
+    if request.param:
+        launch_overrides(num_splits=request.param)
+    return request.param
+
+
+@gpu
+@pytest.mark.parametrize("splits", [0, 3, 16, 128], indirect=True, ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_split_forward_matches_reference(case, splits, require_kernel):
+    """More splits than key blocks (128) leaves splits empty: they must weigh nothing."""
+    b, sq, sk, h, hk, d, causal, window, softcap, with_sink, alibi = case
+    require_kernel("bwd", d, torch.bfloat16)
+    q, k, v = (randn(b, s, n, d, requires_grad=True) for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    # With one query row a head's sink gradient is one product, -exp(sink - lse) rowsum(dO * O), whose error is one
+    # draw of O's bf16 rounding, for ours and for the low-precision reference alike: the 2x rule needs an average
+    # over rows, so dsink is judged where a head has many (the last case), and out and lse carry the sink here.
+    sink_grad = with_sink and sq > 1
+    sink = randn(h, requires_grad=sink_grad) if with_sink else None
+    options = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi_slopes(alibi, b, h))
+    out = fa2.attention(q, k, v, sink=sink, **options)
+    given = poison(torch.empty_like(q))
+    _, lse = fa2.fwd(q.detach(), k.detach(), v.detach(), out=given, sink=sink, **options)
+    assert_written(given, name="out")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v] + ([sink] if sink_grad else []), dout)
+    check_against_reference(out, lse, grads, q, k, v, sink, dout, options, f"{case} splits {splits}")
+    check_against_reference(given, lse, grads, q, k, v, sink, dout, options, f"{case} splits {splits}, out=")
+
+
+def check_forward(out, lse, q, k, v, tag, **options):
+    """out and lse against the fp64 reference (FlashAttention's rule), without a backward."""
+    out64, lse64 = attention_ref(q, k, v, **options)
+    out_low, _ = attention_ref(q, k, v, upcast=False, **options)
+    _, lse32 = attention_ref(q.float(), k.float(), v.float(), upcast=False, **options)
+    assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
+    assert_lse_close(lse, lse64, lse32, name=f"lse {tag}")
+
+
+@gpu
+@pytest.mark.parametrize("splits", [0, 5], indirect=True, ids=lambda s: f"splits{s}")
+def test_split_varlen_forward_matches_reference(splits, require_kernel):
+    """Packed decodes of unequal lengths, one of them without a query (its rows must not be touched)."""
+    require_kernel("fwd", 128, torch.bfloat16)
+    lens_q, lens_k = [1, 3, 0, 1], [900, 40, 17, 2049]
+    cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).int()
+    cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).int()
+    q, k, v = randn(sum(lens_q), 8, 128), randn(sum(lens_k), 2, 128), randn(sum(lens_k), 2, 128)
+    out = poison(torch.empty_like(q))
+    _, lse = fa2.fwd_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, out=out)
+    assert_written(out, name="out")
+    for i in range(len(lens_q)):
+        if lens_q[i] == 0:
+            continue
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        check_forward(out[qs][None], lse[:, qs][None], q[qs][None], k[ks][None], v[ks][None],
+                      f"sequence {i} splits {splits}", causal=True)
+
+
+def _kernels(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name.split("<")[0].split("::")[-1] for e in prof.events() if "fa2::" in e.name}
+
+
+@gpu
+def test_the_launch_splits_a_decode_and_not_a_large_forward(require_kernel):
+    require_kernel("fwd", 128, torch.bfloat16)
+    q, k, v = randn(1, 1, 32, 128), randn(1, 32768, 8, 128), randn(1, 32768, 8, 128)
+    assert _kernels(lambda: fa2.fwd(q, k, v, causal=True)) == {"fwd_kernel", "fwd_combine_kernel"}
+    out, lse = fa2.fwd(q, k, v, causal=True)
+    check_forward(out, lse, q, k, v, "decode 32k", causal=True)
+    q, k, v = (randn(4, 2048, 16, 128) for _ in range(3))
+    assert _kernels(lambda: fa2.fwd(q, k, v)) == {"fwd_kernel"}
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+def _recorded_fwd(recording, q, k, v, **options):
+    fa2.fwd(q, k, v, **options)
+    kind, launch = recording.calls[-1]
+    assert kind == "fwd"
+    return launch
+
+
+def test_gqa_decode_packs_the_group_into_rows(recording):
+    q, k, v = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16), *(torch.randn(2, 100, 2, 64, dtype=torch.bfloat16)
+                                                                 for _ in range(2))
+    launch = _recorded_fwd(recording, q, k, v, causal=True)
+    assert (launch["seqlen_q"], launch["nheads"], launch["nheads_k"]) == (4, 2, 2)
+    assert launch["q_stride"] == (q.stride(0), q.stride(2), 4 * q.stride(2))
+    assert launch["out_stride"] == launch["q_stride"]  # out is allocated like q
+    assert not launch["causal"] and launch["window_right"] == -1  # one query row sees every key anyway
+    assert launch["num_splits"] == 1  # record mode has no GPU to size splits for
+
+
+@pytest.mark.parametrize("options", [dict(sink=torch.zeros(8)), dict(window_size=(50, 0)),
+                                     dict(alibi_slopes=torch.ones(8)), dict(dropout_p=0.1, rng_state="state")],
+                         ids=["sink", "window", "alibi", "dropout"])
+def test_per_row_or_per_head_features_keep_the_layout(options, recording):
+    q, k, v = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16), *(torch.randn(2, 100, 2, 64, dtype=torch.bfloat16)
+                                                                 for _ in range(2))
+    if options.get("rng_state") == "state":
+        options["rng_state"] = torch.tensor([1, 2])
+    launch = _recorded_fwd(recording, q, k, v, **options)
+    assert (launch["seqlen_q"], launch["nheads"]) == (1, 8)
+
+
+def test_only_single_query_grouped_calls_are_packed(recording):
+    mha = [torch.randn(1, 1, 4, 64, dtype=torch.bfloat16) for _ in range(3)]
+    assert _recorded_fwd(recording, *mha)["seqlen_q"] == 1
+    q, k, v = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16), *(torch.randn(1, 9, 2, 64, dtype=torch.bfloat16)
+                                                                 for _ in range(2))
+    assert _recorded_fwd(recording, q, k, v)["seqlen_q"] == 2
+
+
+def test_a_forced_split_count_reaches_the_launch(recording):
+    q, k, v = (torch.randn(1, 1, 4, 64, dtype=torch.bfloat16) for _ in range(3))
+    ops._C.set_test_overrides(record=True, num_splits=7)
+    assert _recorded_fwd(recording, q, k, v)["num_splits"] == 7
+    with pytest.raises(ValueError, match="num_splits"):
+        ops._C.set_test_overrides(num_splits=129)  # past kMaxSplits (params.h)
