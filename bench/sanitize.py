@@ -7,8 +7,9 @@
 d256's backward double-buffers Q/dO on the H100, d96's adds dQ between dV and dK; d256's forward has two tiles).
 Both modes then run every head dim again with a block limited to 99 KB (csrc/CONTRACT.md: set_test_overrides), the
 configurations of consumer GPUs (csrc/fa2/config.h), padded and packed: d256's keeps P and dS in the bytes of V.
-The last two cases are split (split-KV, fwd_combine.h). Last, the cases again with a sliding window (blocks skipped on both sides, rows that see no key), softcap, ALiBi,
-dropout and sinks; --features runs only those, then once more on 99 KB configurations.
+The last two cases are split (split-KV, fwd_combine.h). Last, the cases again with a sliding window (blocks skipped
+on both sides, rows that see no key), softcap, ALiBi, dropout and sinks; --features runs only those, then once more
+on 99 KB configurations.
 """
 import sys
 
