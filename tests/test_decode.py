@@ -9,7 +9,7 @@ import torch
 import fa2
 from fa2 import ops
 from fa2.reference import attention_ref
-from test_features import alibi_slopes, check_against_reference, randn
+from test_features import CONSUMER_SMEM, alibi_slopes, check_against_reference, randn
 from tolerance import assert_close_to_ref, assert_lse_close, assert_written, poison
 
 gpu = pytest.mark.gpu
@@ -106,6 +106,28 @@ def test_the_launch_splits_a_decode_and_not_a_large_forward(require_kernel):
     assert _kernels(lambda: fa2.fwd(q, k, v)) == {"fwd_kernel"}
 
 
+@gpu
+@pytest.mark.parametrize("case", ["dropout", "d256 on 99 KB"])
+def test_calls_without_a_split_instance_run_whole(case, require_kernel, launch_overrides):
+    """Only the main tile's kLogits instance has split-KV (config.h): a decode with dropout, and a d256 decode on a
+    99 KB GPU (the narrow tile), run in one kernel whatever the override asks, exactly as without it."""
+    d = 128 if case == "dropout" else 256
+    require_kernel("fwd", d, torch.bfloat16)
+    q, k, v = randn(2, 1, 8, d), randn(2, 4096, 2, d), randn(2, 4096, 2, d)
+    if case == "dropout":
+        options = dict(dropout_p=0.2, rng_state=torch.tensor([1234, 56], device="cuda"))
+    else:
+        options = dict(softcap=30.0)
+        launch_overrides(smem_limit=CONSUMER_SMEM)
+    whole_out, whole_lse = fa2.fwd(q, k, v, **options)
+    ops._C.set_test_overrides(num_splits=16, smem_limit=0 if case == "dropout" else CONSUMER_SMEM)
+    assert _kernels(lambda: fa2.fwd(q, k, v, **options)) == {"fwd_kernel"}
+    out, lse = fa2.fwd(q, k, v, **options)
+    assert torch.equal(out, whole_out) and torch.equal(lse, whole_lse)
+    if case != "dropout":
+        check_forward(out, lse, q, k, v, case, **options)
+
+
 # ------------------------------------------------------------------------------------------------ CPU
 def _recorded_fwd(recording, q, k, v, **options):
     fa2.fwd(q, k, v, **options)
@@ -145,9 +167,11 @@ def test_only_single_query_grouped_calls_are_packed(recording):
     assert _recorded_fwd(recording, q, k, v)["seqlen_q"] == 2
 
 
-def test_a_forced_split_count_reaches_the_launch(recording):
+def test_a_forced_split_count_reaches_the_launch_unless_it_has_dropout(recording):
     q, k, v = (torch.randn(1, 1, 4, 64, dtype=torch.bfloat16) for _ in range(3))
     ops._C.set_test_overrides(record=True, num_splits=7)
     assert _recorded_fwd(recording, q, k, v)["num_splits"] == 7
+    dropped = _recorded_fwd(recording, q, k, v, dropout_p=0.1, rng_state=torch.tensor([1, 2]))
+    assert dropped["num_splits"] == 1  # kAll, the dropout instance, has no split-KV
     with pytest.raises(ValueError, match="num_splits"):
         ops._C.set_test_overrides(num_splits=129)  # past kMaxSplits (params.h)

@@ -47,12 +47,40 @@ template <int kHeadDim> struct FwdNarrowConfig {
   static constexpr int kMaxSeqlen = kHeadDim == 256 ? 1024 : 0, kMaxSeqlenCausal = kHeadDim == 256 ? 2048 : 0;
 };
 
+// A forward tile's CTAs per SM: 4 warps at <= 255 registers leave room for two, 8 warps for one.
+constexpr int fwd_ctas_per_sm(int warps) { return warps == 4 ? 2 : 1; }
+
+// A forward tile's shared memory: Q, and K and V per stage, in 2-byte elements (traits.h asserts it is FwdTraits').
+template <typename Config, int kHeadDim>
+constexpr int fwd_smem_bytes() {
+  return (Config::kBlockM + 2 * Config::kStages * Config::kBlockN) * kHeadDim * 2;
+}
+
+// Whether the main tile (FwdConfig) fits the shared memory a block may use; where it does not, the narrow one runs.
+template <int kHeadDim>
+constexpr bool fwd_main_fits(int smem_limit) {
+  return fwd_smem_bytes<FwdConfig<kHeadDim>, kHeadDim>() <= smem_limit;
+}
+
+// Whether a forward runs the narrow tile rather than FwdConfig's. The narrow tile has one instance, with every
+// transform and without split-KV (fwd_kernel.h), so a split call takes the main tile, and the host splits no call
+// that must run narrow (ops.cpp: num_splits). seqlen_q is the launch's (after GQA packing).
+template <int kHeadDim>
+constexpr bool fwd_takes_narrow(int seqlen_q, int seqlen_k, bool causal, int num_splits, int smem_limit) {
+  using Narrow = FwdNarrowConfig<kHeadDim>;
+  if (!Narrow::kEnabled) return false;
+  if (!fwd_main_fits<kHeadDim>(smem_limit)) return true;
+  const int seqlen = seqlen_q > seqlen_k ? seqlen_q : seqlen_k;
+  return num_splits == 1 && seqlen <= (causal ? Narrow::kMaxSeqlenCausal : Narrow::kMaxSeqlen);
+}
+
 // Split-KV (fwd_combine.h), for forwards whose CTAs cannot fill the GPU, as decoding's (a query row or a few per
 // sequence against a long KV cache): each query block's key blocks are divided among `splits` CTAs and a combine
-// kernel merges their partial results. The count minimises the modelled time, waves x (key blocks per split +
-// kSplitFixedBlocks, a CTA's Q load and epilogue in key blocks' worth), the fewest splits on a tie; each split keeps
-// at least kMinSplitKeyBlocks, and the grid's batch x splits stays within CUDA's 65535. ctas: the forward's CTAs
-// without splits; slots: CTAs resident at once.
+// kernel merges their partial results. Only the main tile's kLogits instance splits (fwd_kernel.h): calls with
+// dropout, and calls whose main tile does not fit, run whole. The count minimises the modelled time, waves x (key
+// blocks per split + kSplitFixedBlocks, a CTA's Q load and epilogue in key blocks' worth), the fewest splits on a
+// tie; each split keeps at least kMinSplitKeyBlocks, and the grid's batch x splits stays within CUDA's 65535. ctas:
+// the forward's CTAs without splits; slots: CTAs resident at once.
 //                                                                           docs/tuning.md#split-kv
 constexpr int kMinSplitKeyBlocks = 4, kSplitFixedBlocks = 2;  // kMaxSplits: params.h
 constexpr int fwd_num_splits(long long ctas, int batch, int slots, int key_blocks) {

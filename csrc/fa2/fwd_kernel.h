@@ -37,9 +37,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
 
   const BlockHead work = scheduled_block</*kHeavyLast=*/true>(p);
   const int m_block = work.block, head = work.head;
-  // Split-KV (params.h) runs in the instances with transforms only: its code, even unused, moved the plain loop's
-  // schedule (docs/tuning.md#split-kv), so a split call is one with transforms (score_transforms).
-  constexpr bool kSplitKV = kTransforms != ScoreTransforms::kNone;
+  // Split-KV (params.h) runs in the kLogits instance only: its code, even unused, moved the plain loop's schedule,
+  // and in kAll it spilled next to dropout's (docs/tuning.md#split-kv). So a split call is a kLogits one
+  // (score_transforms), and the host never splits a call with dropout (config.h).
+  constexpr bool kSplitKV = kTransforms == ScoreTransforms::kLogits;
   const bool splits = kSplitKV && p.num_splits > 1;
   const int batch = splits ? int(blockIdx.z) % p.batch : int(blockIdx.z);
   const int split = splits ? int(blockIdx.z) / p.batch : 0;

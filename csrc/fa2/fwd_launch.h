@@ -2,7 +2,7 @@
 // csrc/kernels/, one (head dim, dtype) each.
 #pragma once
 
-#include <algorithm>
+#include <stdexcept>
 
 #include <cuda_runtime.h>
 
@@ -22,14 +22,16 @@ template <typename Traits, ScoreTransforms kTransforms>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr int smem = Traits::kSmemSize;
   constexpr auto kernel = &fwd_kernel<Traits, kTransforms>;
+  if (params.num_splits > 1 && kTransforms != ScoreTransforms::kLogits) {
+    throw std::logic_error("fa2: a split forward reached an instance without split-KV");  // config.h: the host's rule
+  }
   const int limit = block_smem_limit(params);
   if (smem > limit) throw_smem_too_small("forward", params.head_dim, smem, limit);
   allow_smem<kernel>(smem, "fwd smem");
   const dim3 grid(ceil_div_host(params.seqlen_q, Traits::kBlockM), params.nheads, params.batch * params.num_splits);
   FwdParams p = params;
   if (p.causal && p.head_group == 0) {
-    const int ctas_per_sm = Traits::kNWarps == 4 ? 2 : 1;  // 4 warps at <= 255 registers: two CTAs per SM; 8: one
-    p.head_group = causal_head_group(p.nheads, device_sm_count() * ctas_per_sm, grid.x);
+    p.head_group = causal_head_group(p.nheads, device_sm_count() * fwd_ctas_per_sm(Traits::kNWarps), grid.x);
   }
   kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
   check_cuda(cudaGetLastError(), "fwd launch");
@@ -43,16 +45,16 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 template <int kHeadDim, DType kDType>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
   using Main = FwdTraitsOf<kHeadDim, FwdConfig<kHeadDim>, kDType, kFwdUnrollStages<kHeadDim>>;
-  using Narrow = FwdNarrowConfig<kHeadDim>;
-  if constexpr (Narrow::kEnabled) {
-    const int seqlen = std::max(params.seqlen_q, params.seqlen_k);
-    if (seqlen <= (params.causal ? Narrow::kMaxSeqlenCausal : Narrow::kMaxSeqlen) ||
-        Main::kSmemSize > block_smem_limit(params)) {
-      return launch_fwd<FwdTraitsOf<kHeadDim, Narrow, kDType>, ScoreTransforms::kAll>(params, stream);
+  static_assert(Main::kSmemSize == fwd_smem_bytes<FwdConfig<kHeadDim>, kHeadDim>(), "config.h sizes the main tile");
+  // The narrow tile (short d256 sequences, 99 KB GPUs) runs everything with its one instance, to keep the build
+  // smaller; the main tile has an instance per set of transforms (fwd_kernel.h).
+  if constexpr (FwdNarrowConfig<kHeadDim>::kEnabled) {
+    if (fwd_takes_narrow<kHeadDim>(params.seqlen_q, params.seqlen_k, params.causal, params.num_splits,
+                                   block_smem_limit(params))) {
+      using Narrow = FwdTraitsOf<kHeadDim, FwdNarrowConfig<kHeadDim>, kDType>;
+      return launch_fwd<Narrow, ScoreTransforms::kAll>(params, stream);
     }
   }
-  // The main tile has an instance per set of transforms (fwd_kernel.h); the narrow one (short d256 sequences, 99 KB
-  // GPUs) runs everything with the one instance, to keep the build smaller.
   switch (score_transforms(params)) {
     case ScoreTransforms::kNone: return launch_fwd<Main, ScoreTransforms::kNone>(params, stream);
     case ScoreTransforms::kLogits: return launch_fwd<Main, ScoreTransforms::kLogits>(params, stream);

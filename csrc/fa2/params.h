@@ -71,9 +71,13 @@ struct FwdParams {
 
 // The per-score transforms a forward instance compiles in; the launch picks the smallest that covers the call
 // (docs/tuning.md#features-off).
-// A window's left edge and split-KV go with them (kNone masks causal's and seqlen_k's edges only, in one CTA per
-// query block).
-enum class ScoreTransforms { kNone, kLogits /* softcap, ALiBi, left edge, split-KV */, kAll /* and dropout */ };
+// A window's left edge goes with them (kNone masks causal's and seqlen_k's edges only), and split-KV with kLogits
+// alone (a call with dropout is never split: config.h).
+enum class ScoreTransforms {
+  kNone,
+  kLogits,  // softcap, ALiBi, a left edge, split-KV
+  kAll,     // kLogits' transforms and dropout; no split-KV
+};
 
 inline ScoreTransforms score_transforms(FwdParams const& p) {
   if (p.rng_state != nullptr) return ScoreTransforms::kAll;

@@ -575,34 +575,41 @@ void pack_gqa_decode(FwdParams& p, const Tensor& q, const Tensor& out) {
   p.window_right = -1, p.causal = false;
 }
 
-// The forward's main tile for a compiled head dim (config.h), which sizes its grid.
+// The forward's main tile for a compiled head dim (config.h), which sizes its grid, and whether the call must run
+// the narrow tile instead, which has no split-KV.
 struct FwdTile {
   int block_m, block_n, ctas_per_sm;
+  bool narrow_only;
 };
 template <int D>
-constexpr FwdTile fwd_tile_of() {
-  return {FwdConfig<D>::kBlockM, FwdConfig<D>::kBlockN, FwdConfig<D>::kNWarps == 4 ? 2 : 1};
+FwdTile fwd_tile_of(const FwdParams& p) {
+  using C = FwdConfig<D>;
+  const bool narrow_only = FwdNarrowConfig<D>::kEnabled && !fwd_main_fits<D>(block_smem_limit(p));
+  return {C::kBlockM, C::kBlockN, fwd_ctas_per_sm(C::kNWarps), narrow_only};
 }
-FwdTile fwd_tile(int kernel_dim) {
+FwdTile fwd_tile(const FwdParams& p, int kernel_dim) {
   switch (kernel_dim) {
-    case 32: return fwd_tile_of<32>();
-    case 64: return fwd_tile_of<64>();
-    case 96: return fwd_tile_of<96>();
-    case 128: return fwd_tile_of<128>();
-    case 160: return fwd_tile_of<160>();
-    case 192: return fwd_tile_of<192>();
-    case 224: return fwd_tile_of<224>();
-    default: return fwd_tile_of<256>();
+    case 32: return fwd_tile_of<32>(p);
+    case 64: return fwd_tile_of<64>(p);
+    case 96: return fwd_tile_of<96>(p);
+    case 128: return fwd_tile_of<128>(p);
+    case 160: return fwd_tile_of<160>(p);
+    case 192: return fwd_tile_of<192>(p);
+    case 224: return fwd_tile_of<224>(p);
+    default: return fwd_tile_of<256>(p);
   }
 }
 
-// Split-KV's count (config.h: fwd_num_splits), or the test override's. In record mode (CPU tests) there is no GPU
-// to size the grid for: no splits unless overridden.
+// Split-KV's count (config.h: fwd_num_splits), or the test override's. Only the main tile's kLogits instance splits,
+// so a call with dropout, or one whose main tile does not fit the block's shared memory, runs whole, override or
+// not. In record mode (CPU tests) there is no GPU to size the grid for: no splits unless overridden.
 int num_splits(const FwdParams& p, int kernel_dim) {
+  if (p.rng_state != nullptr) return 1;
   const int forced = g_overrides.num_splits.load(std::memory_order_relaxed);
+  if (recording()) return forced > 0 ? forced : 1;
+  const FwdTile tile = fwd_tile(p, kernel_dim);
+  if (tile.narrow_only) return 1;
   if (forced > 0) return forced;
-  if (recording()) return 1;
-  const FwdTile tile = fwd_tile(kernel_dim);
   const long long ctas = 1ll * ceil_div_host(p.seqlen_q, tile.block_m) * p.nheads * p.batch;
   return fwd_num_splits(ctas, p.batch, device_sm_count() * tile.ctas_per_sm, ceil_div_host(p.seqlen_k, tile.block_n));
 }
