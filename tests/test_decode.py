@@ -19,7 +19,7 @@ CASES = [
     (2, 1, 1000, 8, 2, 128, True, (-1, -1), 0.0, False, None),     # GQA decode: packed
     (1, 1, 777, 4, 4, 64, False, (-1, -1), 0.0, False, None),      # MHA decode
     (3, 7, 513, 8, 1, 96, True, (-1, -1), 0.0, False, None),       # a chunk against the cache, MQA
-    (2, 1, 300, 8, 2, 256, False, (-1, -1), 50.0, False, None),    # softcap, packed
+    (2, 1, 1300, 8, 2, 256, False, (-1, -1), 50.0, False, None),   # softcap, packed (past d256's narrow tile)
     (1, 1, 2000, 8, 2, 128, True, (256, 0), 30.0, True, "h"),      # a windowed gpt-oss/Gemma decode: not packed
     (2, 200, 1200, 4, 2, 64, True, (300, 0), 0.0, True, "bh"),     # many rows, rows that see no key of a split
 ]
@@ -107,20 +107,22 @@ def test_the_launch_splits_a_decode_and_not_a_large_forward(require_kernel):
 
 
 @gpu
-@pytest.mark.parametrize("case", ["dropout", "d256 on 99 KB"])
+@pytest.mark.parametrize("case", ["dropout", "d256 short", "d256 on 99 KB"])
 def test_calls_without_a_split_instance_run_whole(case, require_kernel, launch_overrides):
-    """Only the main tile's kLogits instance has split-KV (config.h): a decode with dropout, and a d256 decode on a
-    99 KB GPU (the narrow tile), run in one kernel whatever the override asks, exactly as without it."""
-    d = 128 if case == "dropout" else 256
+    """Only the main tile's kLogits instance has split-KV (config.h): a decode with dropout, and d256 decodes that
+    take the narrow tile (a short cache, or a 99 KB GPU), run in one kernel whatever the override asks, exactly as
+    without it."""
+    d, seqlen_k = (128, 4096) if case == "dropout" else (256, 1000 if case == "d256 short" else 4096)
     require_kernel("fwd", d, torch.bfloat16)
-    q, k, v = randn(2, 1, 8, d), randn(2, 4096, 2, d), randn(2, 4096, 2, d)
+    q, k, v = randn(2, 1, 8, d), randn(2, seqlen_k, 2, d), randn(2, seqlen_k, 2, d)
     if case == "dropout":
         options = dict(dropout_p=0.2, rng_state=torch.tensor([1234, 56], device="cuda"))
     else:
         options = dict(softcap=30.0)
-        launch_overrides(smem_limit=CONSUMER_SMEM)
+    smem_limit = CONSUMER_SMEM if case == "d256 on 99 KB" else 0
+    launch_overrides(smem_limit=smem_limit)
     whole_out, whole_lse = fa2.fwd(q, k, v, **options)
-    ops._C.set_test_overrides(num_splits=16, smem_limit=0 if case == "dropout" else CONSUMER_SMEM)
+    launch_overrides(num_splits=16, smem_limit=smem_limit)
     assert _kernels(lambda: fa2.fwd(q, k, v, **options)) == {"fwd_kernel"}
     out, lse = fa2.fwd(q, k, v, **options)
     assert torch.equal(out, whole_out) and torch.equal(lse, whole_lse)

@@ -62,22 +62,21 @@ constexpr bool fwd_main_fits(int smem_limit) {
   return fwd_smem_bytes<FwdConfig<kHeadDim>, kHeadDim>() <= smem_limit;
 }
 
-// Whether a forward runs the narrow tile rather than FwdConfig's. The narrow tile has one instance, with every
-// transform and without split-KV (fwd_kernel.h), so a split call takes the main tile, and the host splits no call
-// that must run narrow (ops.cpp: num_splits). seqlen_q is the launch's (after GQA packing).
+// Whether a forward runs the narrow tile rather than FwdConfig's (seqlen_q: the launch's, after GQA packing). The
+// narrow tile has one instance, with every transform and without split-KV (fwd_kernel.h), so the host splits no call
+// that runs it (ops.cpp: num_splits).
 template <int kHeadDim>
-constexpr bool fwd_takes_narrow(int seqlen_q, int seqlen_k, bool causal, int num_splits, int smem_limit) {
+constexpr bool fwd_takes_narrow(int seqlen_q, int seqlen_k, bool causal, int smem_limit) {
   using Narrow = FwdNarrowConfig<kHeadDim>;
   if (!Narrow::kEnabled) return false;
-  if (!fwd_main_fits<kHeadDim>(smem_limit)) return true;
   const int seqlen = seqlen_q > seqlen_k ? seqlen_q : seqlen_k;
-  return num_splits == 1 && seqlen <= (causal ? Narrow::kMaxSeqlenCausal : Narrow::kMaxSeqlen);
+  return seqlen <= (causal ? Narrow::kMaxSeqlenCausal : Narrow::kMaxSeqlen) || !fwd_main_fits<kHeadDim>(smem_limit);
 }
 
 // Split-KV (fwd_combine.h), for forwards whose CTAs cannot fill the GPU, as decoding's (a query row or a few per
 // sequence against a long KV cache): each query block's key blocks are divided among `splits` CTAs and a combine
 // kernel merges their partial results. Only the main tile's kLogits instance splits (fwd_kernel.h): calls with
-// dropout, and calls whose main tile does not fit, run whole. The count minimises the modelled time, waves x (key
+// dropout, and calls that take the narrow tile, run whole. The count minimises the modelled time, waves x (key
 // blocks per split + kSplitFixedBlocks, a CTA's Q load and epilogue in key blocks' worth), the fewest splits on a
 // tie; each split keeps at least kMinSplitKeyBlocks, and the grid's batch x splits stays within CUDA's 65535. ctas:
 // the forward's CTAs without splits; slots: CTAs resident at once.

@@ -49,8 +49,7 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
   // The narrow tile (short d256 sequences, 99 KB GPUs) runs everything with its one instance, to keep the build
   // smaller; the main tile has an instance per set of transforms (fwd_kernel.h).
   if constexpr (FwdNarrowConfig<kHeadDim>::kEnabled) {
-    if (fwd_takes_narrow<kHeadDim>(params.seqlen_q, params.seqlen_k, params.causal, params.num_splits,
-                                   block_smem_limit(params))) {
+    if (fwd_takes_narrow<kHeadDim>(params.seqlen_q, params.seqlen_k, params.causal, block_smem_limit(params))) {
       using Narrow = FwdTraitsOf<kHeadDim, FwdNarrowConfig<kHeadDim>, kDType>;
       return launch_fwd<Narrow, ScoreTransforms::kAll>(params, stream);
     }

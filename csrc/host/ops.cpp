@@ -575,17 +575,17 @@ void pack_gqa_decode(FwdParams& p, const Tensor& q, const Tensor& out) {
   p.window_right = -1, p.causal = false;
 }
 
-// The forward's main tile for a compiled head dim (config.h), which sizes its grid, and whether the call must run
-// the narrow tile instead, which has no split-KV.
+// The forward's main tile for a compiled head dim (config.h), which sizes its grid, and whether the call runs the
+// narrow tile instead, which has no split-KV.
 struct FwdTile {
   int block_m, block_n, ctas_per_sm;
-  bool narrow_only;
+  bool narrow;
 };
 template <int D>
 FwdTile fwd_tile_of(const FwdParams& p) {
   using C = FwdConfig<D>;
-  const bool narrow_only = FwdNarrowConfig<D>::kEnabled && !fwd_main_fits<D>(block_smem_limit(p));
-  return {C::kBlockM, C::kBlockN, fwd_ctas_per_sm(C::kNWarps), narrow_only};
+  const bool narrow = fwd_takes_narrow<D>(p.seqlen_q, p.seqlen_k, p.causal, block_smem_limit(p));
+  return {C::kBlockM, C::kBlockN, fwd_ctas_per_sm(C::kNWarps), narrow};
 }
 FwdTile fwd_tile(const FwdParams& p, int kernel_dim) {
   switch (kernel_dim) {
@@ -601,14 +601,15 @@ FwdTile fwd_tile(const FwdParams& p, int kernel_dim) {
 }
 
 // Split-KV's count (config.h: fwd_num_splits), or the test override's. Only the main tile's kLogits instance splits,
-// so a call with dropout, or one whose main tile does not fit the block's shared memory, runs whole, override or
-// not. In record mode (CPU tests) there is no GPU to size the grid for: no splits unless overridden.
+// so a call with dropout, or one that takes the narrow tile (short d256 sequences, d224/d256 on 99 KB GPUs), runs
+// whole, override or not. In record mode (CPU tests) there is no GPU to size the grid for: no splits unless
+// overridden.
 int num_splits(const FwdParams& p, int kernel_dim) {
   if (p.rng_state != nullptr) return 1;
   const int forced = g_overrides.num_splits.load(std::memory_order_relaxed);
   if (recording()) return forced > 0 ? forced : 1;
   const FwdTile tile = fwd_tile(p, kernel_dim);
-  if (tile.narrow_only) return 1;
+  if (tile.narrow) return 1;
   if (forced > 0) return forced;
   const long long ctas = 1ll * ceil_div_host(p.seqlen_q, tile.block_m) * p.nheads * p.batch;
   return fwd_num_splits(ctas, p.batch, device_sm_count() * tile.ctas_per_sm, ceil_div_host(p.seqlen_k, tile.block_n));
