@@ -2,7 +2,9 @@
 GPU: split-KV (a query block's keys divided among CTAs, their partial results merged by fwd_combine.h) and GQA
 packing (a group's query heads as the rows of one block), alone and with the features, against the fp64 reference
 with FlashAttention's rule, outputs poisoned first; the default launch splits a decode and does not split a large
-forward. CPU (recorded launches): which calls are packed, and the split count a test forces."""
+forward, and forwards of at most 64 query rows run the decode tile (config.h). CPU (recorded launches): which calls are packed, and the split count a test forces."""
+import re
+
 import pytest
 import torch
 
@@ -128,6 +130,34 @@ def test_calls_without_a_split_instance_run_whole(case, require_kernel, launch_o
     assert torch.equal(out, whole_out) and torch.equal(lse, whole_lse)
     if case != "dropout":
         check_forward(out, lse, q, k, v, case, **options)
+
+
+def _fwd_tiles(fn):
+    """(kBlockM, kBlockN, warps, stages) of each forward kernel fn launches."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if "fwd_kernel<" in e.name}
+    return {tuple(map(int, re.search(r"FwdTraits<\d+, (\d+), (\d+), (\d+), (\d+),", n).groups())) for n in names}
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_forwards_of_at_most_64_rows_run_the_decode_tile(d, require_kernel):
+    """config.h's decode tile (64 x 64, 4 warps, 2 stages) for at most 64 query rows after GQA packing, unless the
+    call has dropout; the main tile (128 rows) past that. Each result against the reference."""
+    require_kernel("fwd", d, torch.bfloat16)
+    decode, main = {(64, 64, 4, 2)}, {(128, 64, 4, 2 if d == 64 else 1)}
+    state = torch.tensor([7, 8], device="cuda")
+    for sq, h, hk, options, tile in [(1, 32, 8, {}, decode),               # packed: 4 rows
+                                     (64, 8, 8, dict(causal=True), decode),
+                                     (65, 8, 8, dict(causal=True), main),
+                                     (1, 32, 8, dict(dropout_p=0.1, rng_state=state), main)]:
+        q, k, v = randn(2, sq, h, d), randn(2, 3000, hk, d), randn(2, 3000, hk, d)
+        assert _fwd_tiles(lambda: fa2.fwd(q, k, v, **options)) == tile, (sq, h, options)
+        if "dropout_p" not in options:
+            out, lse = fa2.fwd(q, k, v, **options)
+            check_forward(out, lse, q, k, v, f"{sq} rows, {h}/{hk} heads, d{d}", **options)
 
 
 # ------------------------------------------------------------------------------------------------ CPU

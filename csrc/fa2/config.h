@@ -47,6 +47,20 @@ template <int kHeadDim> struct FwdNarrowConfig {
   static constexpr int kMaxSeqlen = kHeadDim == 256 ? 1024 : 0, kMaxSeqlenCausal = kHeadDim == 256 ? 2048 : 0;
 };
 
+// The decode tile, 64 x 64 on 4 warps (16 rows each), for forwards of at most 64 query rows after GQA packing, as
+// decoding's, where the main tile would compute 128 rows for the few that exist. Two K/V stages: a decode streams
+// the cache, and with one stage the 16-row warps wait on each load (slower than the main tile at d64). It runs the
+// kLogits instance (split-KV and every transform but dropout; a call with dropout keeps the main tile). d64 and d128,
+// the head dims measured; the others keep the main tile.                    docs/tuning.md#decode-tile
+template <int kHeadDim> struct FwdDecodeConfig {
+  static constexpr bool kEnabled = kHeadDim == 64 || kHeadDim == 128;
+  static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4, kStages = 2;
+};
+template <int kHeadDim>
+constexpr bool fwd_takes_decode_tile(int seqlen_q, bool dropout) {
+  return FwdDecodeConfig<kHeadDim>::kEnabled && !dropout && seqlen_q <= FwdDecodeConfig<kHeadDim>::kBlockM;
+}
+
 // A forward tile's CTAs per SM: 4 warps at <= 255 registers leave room for two, 8 warps for one.
 constexpr int fwd_ctas_per_sm(int warps) { return warps == 4 ? 2 : 1; }
 

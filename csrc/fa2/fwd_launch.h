@@ -54,6 +54,13 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
       return launch_fwd<Narrow, ScoreTransforms::kAll>(params, stream);
     }
   }
+  // The decode tile (at most 64 query rows), one kLogits instance: split-KV and the transforms decoding uses.
+  if constexpr (FwdDecodeConfig<kHeadDim>::kEnabled) {
+    if (fwd_takes_decode_tile<kHeadDim>(params.seqlen_q, params.rng_state != nullptr)) {
+      using Decode = FwdTraitsOf<kHeadDim, FwdDecodeConfig<kHeadDim>, kDType>;
+      return launch_fwd<Decode, ScoreTransforms::kLogits>(params, stream);
+    }
+  }
   switch (score_transforms(params)) {
     case ScoreTransforms::kNone: return launch_fwd<Main, ScoreTransforms::kNone>(params, stream);
     case ScoreTransforms::kLogits: return launch_fwd<Main, ScoreTransforms::kLogits>(params, stream);

@@ -575,14 +575,18 @@ void pack_gqa_decode(FwdParams& p, const Tensor& q, const Tensor& out) {
   p.window_right = -1, p.causal = false;
 }
 
-// The forward's main tile for a compiled head dim (config.h), which sizes its grid, and whether the call runs the
-// narrow tile instead, which has no split-KV.
+// The forward's tile for a compiled head dim (config.h: the decode tile or the main one), which sizes its grid, and
+// whether the call runs the narrow tile instead, which has no split-KV.
 struct FwdTile {
   int block_m, block_n, ctas_per_sm;
   bool narrow;
 };
 template <int D>
 FwdTile fwd_tile_of(const FwdParams& p) {
+  if (fwd_takes_decode_tile<D>(p.seqlen_q, p.rng_state != nullptr)) {
+    using C = FwdDecodeConfig<D>;
+    return {C::kBlockM, C::kBlockN, fwd_ctas_per_sm(C::kNWarps), false};
+  }
   using C = FwdConfig<D>;
   const bool narrow = fwd_takes_narrow<D>(p.seqlen_q, p.seqlen_k, p.causal, block_smem_limit(p));
   return {C::kBlockM, C::kBlockN, fwd_ctas_per_sm(C::kNWarps), narrow};
