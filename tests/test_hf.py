@@ -234,7 +234,8 @@ def gradient_groups(names):
     eager failed it as often against the perfect kernel. One layer's router weight and bias together still failed in
     8 of 2800 draws (with gpt_oss_config's 16 heads); both layers' routers together in none of 1600 (the worst at
     0.998 of the bound: rare false failures remain possible), and an attention rounding P to 4 significant bits
-    (bf16: 8) fails them as often as the weights alone."""
+    (bf16: 8) fails them as often as the weights alone. The price: an error confined to one layer's router is
+    averaged with the other layer's."""
     groups = {}
     for name in names:
         groups.setdefault(re.sub(r"^model\.layers\.\d+\.mlp\.router\.(weight|bias)$", "model.layers.*.mlp.router.*",
