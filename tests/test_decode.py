@@ -2,7 +2,8 @@
 GPU: split-KV (a query block's keys divided among CTAs, their partial results merged by fwd_combine.h) and GQA
 packing (a group's query heads as the rows of one block), alone and with the features, against the fp64 reference
 with FlashAttention's rule, outputs poisoned first; the default launch splits a decode and does not split a large
-forward, and forwards of at most 64 query rows run the decode tile (config.h). CPU (recorded launches): which calls are packed, and the split count a test forces."""
+forward, and forwards of at most 64 query rows run the decode tile (config.h). CPU (recorded launches): which calls
+are packed, and the split count a test forces."""
 import re
 
 import pytest
@@ -90,11 +91,16 @@ def test_split_varlen_forward_matches_reference(splits, require_kernel):
                       f"sequence {i} splits {splits}", causal=True)
 
 
-def _kernels(fn):
+def _kernel_names(fn):
+    """The full (demangled) names of the fa2 kernels fn launches."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return {e.name.split("<")[0].split("::")[-1] for e in prof.events() if "fa2::" in e.name}
+    return {e.name for e in prof.events() if "fa2::" in e.name}
+
+
+def _kernels(fn):
+    return {name.split("<")[0].split("::")[-1] for name in _kernel_names(fn)}
 
 
 @gpu
@@ -111,9 +117,9 @@ def test_the_launch_splits_a_decode_and_not_a_large_forward(require_kernel):
 @gpu
 @pytest.mark.parametrize("case", ["dropout", "d256 short", "d256 on 99 KB"])
 def test_calls_without_a_split_instance_run_whole(case, require_kernel, launch_overrides):
-    """Only the main tile's kLogits instance has split-KV (config.h): a decode with dropout, and d256 decodes that
-    take the narrow tile (a short cache, or a 99 KB GPU), run in one kernel whatever the override asks, exactly as
-    without it."""
+    """Only the kLogits instances (main and decode tiles) have split-KV (config.h): a decode with dropout, and d256
+    decodes that take the narrow tile (a short cache, or a 99 KB GPU), run in one kernel whatever the override asks,
+    exactly as without it."""
     d, seqlen_k = (128, 4096) if case == "dropout" else (256, 1000 if case == "d256 short" else 4096)
     require_kernel("fwd", d, torch.bfloat16)
     q, k, v = randn(2, 1, 8, d), randn(2, seqlen_k, 2, d), randn(2, seqlen_k, 2, d)
@@ -134,10 +140,7 @@ def test_calls_without_a_split_instance_run_whole(case, require_kernel, launch_o
 
 def _fwd_tiles(fn):
     """(kBlockM, kBlockN, warps, stages) of each forward kernel fn launches."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = {e.name for e in prof.events() if "fwd_kernel<" in e.name}
+    names = {name for name in _kernel_names(fn) if "fwd_kernel<" in name}
     return {tuple(map(int, re.search(r"FwdTraits<\d+, (\d+), (\d+), (\d+), (\d+),", n).groups())) for n in names}
 
 
