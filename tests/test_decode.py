@@ -146,9 +146,10 @@ def _fwd_tiles(fn):
 
 @gpu
 @pytest.mark.parametrize("d", [64, 128])
-def test_forwards_of_at_most_64_rows_run_the_decode_tile(d, require_kernel):
+def test_forwards_of_at_most_64_rows_run_the_decode_tile(d, require_kernel, launch_overrides):
     """config.h's decode tile (64 x 64, 4 warps, 2 stages) for at most 64 query rows after GQA packing, unless the
-    call has dropout; the main tile (128 rows) past that. Each result against the reference."""
+    call has dropout or the tile does not fit the block's shared memory; the main tile (128 rows) otherwise. Each
+    result against the reference."""
     require_kernel("fwd", d, torch.bfloat16)
     decode, main = {(64, 64, 4, 2)}, {(128, 64, 4, 2 if d == 64 else 1)}
     state = torch.tensor([7, 8], device="cuda")
@@ -161,6 +162,13 @@ def test_forwards_of_at_most_64_rows_run_the_decode_tile(d, require_kernel):
         if "dropout_p" not in options:
             out, lse = fa2.fwd(q, k, v, **options)
             check_forward(out, lse, q, k, v, f"{sq} rows, {h}/{hk} heads, d{d}", **options)
+    q, k, v = randn(2, 1, 32, d), randn(2, 3000, 8, d), randn(2, 3000, 8, d)
+    # 99 KB GPUs fit it (80 KB at d128); below its size and above the main tile's (64 KB at d128) the main tile runs.
+    for smem_limit, tile in [(CONSUMER_SMEM, decode)] + ([(72 * 1024, main)] if d == 128 else []):
+        launch_overrides(smem_limit=smem_limit)
+        assert _fwd_tiles(lambda: fa2.fwd(q, k, v)) == tile, smem_limit
+        out, lse = fa2.fwd(q, k, v)
+        check_forward(out, lse, q, k, v, f"decode d{d} within {smem_limit} bytes")
 
 
 # ------------------------------------------------------------------------------------------------ CPU
@@ -208,5 +216,16 @@ def test_a_forced_split_count_reaches_the_launch_unless_it_has_dropout(recording
     assert _recorded_fwd(recording, q, k, v)["num_splits"] == 7
     dropped = _recorded_fwd(recording, q, k, v, dropout_p=0.1, rng_state=torch.tensor([1, 2]))
     assert dropped["num_splits"] == 1  # kAll, the dropout instance, has no split-KV
+
+
+def test_a_forced_split_count_does_not_reach_the_narrow_tile(recording, require_kernel):
+    """A d256 decode against 1000 keys runs the narrow tile (config.h: fwd_tile_for), which has no split-KV; 1100
+    keys run the main tile, which splits."""
+    require_kernel("fwd", 256, torch.bfloat16)
+    ops._C.set_test_overrides(record=True, num_splits=7)
+    for seqlen_k, splits in [(1000, 1), (1100, 7)]:
+        q = torch.randn(1, 1, 8, 256, dtype=torch.bfloat16)
+        k, v = (torch.randn(1, seqlen_k, 2, 256, dtype=torch.bfloat16) for _ in range(2))
+        assert _recorded_fwd(recording, q, k, v)["num_splits"] == splits, seqlen_k
     with pytest.raises(ValueError, match="num_splits"):
         ops._C.set_test_overrides(num_splits=129)  # past kMaxSplits (params.h)

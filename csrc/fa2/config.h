@@ -56,36 +56,37 @@ template <int kHeadDim> struct FwdDecodeConfig {
   static constexpr bool kEnabled = kHeadDim == 64 || kHeadDim == 128;
   static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4, kStages = 2;
 };
-template <int kHeadDim>
-constexpr bool fwd_takes_decode_tile(int seqlen_q, bool dropout) {
-  return FwdDecodeConfig<kHeadDim>::kEnabled && !dropout && seqlen_q <= FwdDecodeConfig<kHeadDim>::kBlockM;
-}
-
 // A forward tile's CTAs per SM: 4 warps at <= 255 registers leave room for two, 8 warps for one.
 constexpr int fwd_ctas_per_sm(int warps) { return warps == 4 ? 2 : 1; }
 
-// A forward tile's shared memory: Q, and K and V per stage, in 2-byte elements (fwd_launch.h asserts it for the main
-// tile).
+// A forward tile's shared memory: Q, and K and V per stage, in 2-byte elements (fwd_launch.h asserts it is the
+// FwdTraits' of each tile).
 template <typename Config, int kHeadDim>
 constexpr int fwd_smem_bytes() {
   return (Config::kBlockM + 2 * Config::kStages * Config::kBlockN) * kHeadDim * 2;
 }
 
-// Whether the main tile (FwdConfig) fits the shared memory a block may use; where it does not, the narrow one runs.
+// Which tile a forward runs, the one rule for the launch (fwd_launch.h) and for the host, which sizes split-KV with
+// it (ops.cpp: num_splits). seqlen_q is the launch's (after GQA packing; a varlen batch's longest). The narrow tile
+// has one instance, with every transform and without split-KV (fwd_kernel.h), so the host splits no call that runs
+// it; the decode tile has the kLogits instance only, so a call with dropout keeps the main tile. Each tile runs only
+// where it fits the shared memory a block may use.
+enum class FwdTile { kMain, kNarrow, kDecode };
 template <int kHeadDim>
-constexpr bool fwd_main_fits(int smem_limit) {
-  return fwd_smem_bytes<FwdConfig<kHeadDim>, kHeadDim>() <= smem_limit;
-}
-
-// Whether a forward runs the narrow tile rather than FwdConfig's (seqlen_q: the launch's, after GQA packing). The
-// narrow tile has one instance, with every transform and without split-KV (fwd_kernel.h), so the host splits no call
-// that runs it (ops.cpp: num_splits).
-template <int kHeadDim>
-constexpr bool fwd_takes_narrow(int seqlen_q, int seqlen_k, bool causal, int smem_limit) {
+constexpr FwdTile fwd_tile_for(int seqlen_q, int seqlen_k, bool causal, bool dropout, int smem_limit) {
   using Narrow = FwdNarrowConfig<kHeadDim>;
-  if (!Narrow::kEnabled) return false;
+  using Decode = FwdDecodeConfig<kHeadDim>;
+  static_assert(!(Narrow::kEnabled && Decode::kEnabled), "a head dim has at most one alternative forward tile");
   const int seqlen = seqlen_q > seqlen_k ? seqlen_q : seqlen_k;
-  return seqlen <= (causal ? Narrow::kMaxSeqlenCausal : Narrow::kMaxSeqlen) || !fwd_main_fits<kHeadDim>(smem_limit);
+  if (Narrow::kEnabled && (seqlen <= (causal ? Narrow::kMaxSeqlenCausal : Narrow::kMaxSeqlen) ||
+                           fwd_smem_bytes<FwdConfig<kHeadDim>, kHeadDim>() > smem_limit)) {
+    return FwdTile::kNarrow;
+  }
+  if (Decode::kEnabled && !dropout && seqlen_q <= Decode::kBlockM &&
+      fwd_smem_bytes<Decode, kHeadDim>() <= smem_limit) {
+    return FwdTile::kDecode;
+  }
+  return FwdTile::kMain;
 }
 
 // Split-KV (fwd_combine.h), for forwards whose CTAs cannot fill the GPU, as decoding's (a query row or a few per

@@ -46,18 +46,21 @@ template <int kHeadDim, DType kDType>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
   using Main = FwdTraitsOf<kHeadDim, FwdConfig<kHeadDim>, kDType, kFwdUnrollStages<kHeadDim>>;
   static_assert(Main::kSmemSize == fwd_smem_bytes<FwdConfig<kHeadDim>, kHeadDim>(), "config.h sizes the main tile");
+  const FwdTile tile = fwd_tile_for<kHeadDim>(params.seqlen_q, params.seqlen_k, params.causal,
+                                              params.rng_state != nullptr, block_smem_limit(params));
   // The narrow tile (short d256 sequences, 99 KB GPUs) runs everything with its one instance, to keep the build
-  // smaller; the main tile has an instance per set of transforms (fwd_kernel.h).
+  // smaller; the decode tile (at most 64 query rows) has the kLogits instance: split-KV and the transforms decoding
+  // uses; the main tile has an instance per set of transforms (fwd_kernel.h).
   if constexpr (FwdNarrowConfig<kHeadDim>::kEnabled) {
-    if (fwd_takes_narrow<kHeadDim>(params.seqlen_q, params.seqlen_k, params.causal, block_smem_limit(params))) {
+    if (tile == FwdTile::kNarrow) {
       using Narrow = FwdTraitsOf<kHeadDim, FwdNarrowConfig<kHeadDim>, kDType>;
       return launch_fwd<Narrow, ScoreTransforms::kAll>(params, stream);
     }
   }
-  // The decode tile (at most 64 query rows), one kLogits instance: split-KV and the transforms decoding uses.
   if constexpr (FwdDecodeConfig<kHeadDim>::kEnabled) {
-    if (fwd_takes_decode_tile<kHeadDim>(params.seqlen_q, params.rng_state != nullptr)) {
+    if (tile == FwdTile::kDecode) {
       using Decode = FwdTraitsOf<kHeadDim, FwdDecodeConfig<kHeadDim>, kDType>;
+      static_assert(Decode::kSmemSize == fwd_smem_bytes<FwdDecodeConfig<kHeadDim>, kHeadDim>(), "config.h sizes it");
       return launch_fwd<Decode, ScoreTransforms::kLogits>(params, stream);
     }
   }

@@ -10,6 +10,7 @@
 #include <nvtx3/nvToolsExt.h>
 
 #include <charconv>
+#include <climits>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -575,46 +576,49 @@ void pack_gqa_decode(FwdParams& p, const Tensor& q, const Tensor& out) {
   p.window_right = -1, p.causal = false;
 }
 
-// The forward's tile for a compiled head dim (config.h: the decode tile or the main one), which sizes its grid, and
-// whether the call runs the narrow tile instead, which has no split-KV.
-struct FwdTile {
+// The geometry of the tile a forward runs (config.h: fwd_tile_for), which sizes its grid, and whether it is the
+// narrow tile, which has no split-KV.
+struct FwdTileShape {
   int block_m, block_n, ctas_per_sm;
   bool narrow;
 };
-template <int D>
-FwdTile fwd_tile_of(const FwdParams& p) {
-  if (fwd_takes_decode_tile<D>(p.seqlen_q, p.rng_state != nullptr)) {
-    using C = FwdDecodeConfig<D>;
-    return {C::kBlockM, C::kBlockN, fwd_ctas_per_sm(C::kNWarps), false};
-  }
-  using C = FwdConfig<D>;
-  const bool narrow = fwd_takes_narrow<D>(p.seqlen_q, p.seqlen_k, p.causal, block_smem_limit(p));
-  return {C::kBlockM, C::kBlockN, fwd_ctas_per_sm(C::kNWarps), narrow};
+template <typename Config>
+constexpr FwdTileShape fwd_tile_shape(bool narrow) {
+  return {Config::kBlockM, Config::kBlockN, fwd_ctas_per_sm(Config::kNWarps), narrow};
 }
-FwdTile fwd_tile(const FwdParams& p, int kernel_dim) {
+template <int D>
+FwdTileShape fwd_tile_shape_of(const FwdParams& p, int smem_limit) {
+  switch (fwd_tile_for<D>(p.seqlen_q, p.seqlen_k, p.causal, p.rng_state != nullptr, smem_limit)) {
+    case FwdTile::kNarrow: return fwd_tile_shape<FwdNarrowConfig<D>>(true);
+    case FwdTile::kDecode: return fwd_tile_shape<FwdDecodeConfig<D>>(false);
+    default: return fwd_tile_shape<FwdConfig<D>>(false);
+  }
+}
+FwdTileShape fwd_tile_shape(const FwdParams& p, int kernel_dim, int smem_limit) {
   switch (kernel_dim) {
-    case 32: return fwd_tile_of<32>(p);
-    case 64: return fwd_tile_of<64>(p);
-    case 96: return fwd_tile_of<96>(p);
-    case 128: return fwd_tile_of<128>(p);
-    case 160: return fwd_tile_of<160>(p);
-    case 192: return fwd_tile_of<192>(p);
-    case 224: return fwd_tile_of<224>(p);
-    default: return fwd_tile_of<256>(p);
+    case 32: return fwd_tile_shape_of<32>(p, smem_limit);
+    case 64: return fwd_tile_shape_of<64>(p, smem_limit);
+    case 96: return fwd_tile_shape_of<96>(p, smem_limit);
+    case 128: return fwd_tile_shape_of<128>(p, smem_limit);
+    case 160: return fwd_tile_shape_of<160>(p, smem_limit);
+    case 192: return fwd_tile_shape_of<192>(p, smem_limit);
+    case 224: return fwd_tile_shape_of<224>(p, smem_limit);
+    default: return fwd_tile_shape_of<256>(p, smem_limit);
   }
 }
 
-// Split-KV's count (config.h: fwd_num_splits), or the test override's. Only the kLogits instances split,
-// so a call with dropout, or one that takes the narrow tile (short d256 sequences, d224/d256 on 99 KB GPUs), runs
-// whole, override or not. In record mode (CPU tests) there is no GPU to size the grid for: no splits unless
-// overridden.
+// Split-KV's count (config.h: fwd_num_splits), or the test override's. Only the kLogits instances split, so a call
+// with dropout, or one that takes the narrow tile (short d256 sequences, d224/d256 on 99 KB GPUs), runs whole,
+// override or not. In record mode (CPU tests) there is no GPU: the tile is chosen for the test's smem_limit (or an
+// unlimited block), and no call is split unless the override says so.
 int num_splits(const FwdParams& p, int kernel_dim) {
   if (p.rng_state != nullptr) return 1;
   const int forced = g_overrides.num_splits.load(std::memory_order_relaxed);
-  if (recording()) return forced > 0 ? forced : 1;
-  const FwdTile tile = fwd_tile(p, kernel_dim);
+  const int smem_limit = !recording() ? block_smem_limit(p) : p.smem_limit > 0 ? p.smem_limit : INT_MAX;
+  const FwdTileShape tile = fwd_tile_shape(p, kernel_dim, smem_limit);
   if (tile.narrow) return 1;
   if (forced > 0) return forced;
+  if (recording()) return 1;
   const long long ctas = 1ll * ceil_div_host(p.seqlen_q, tile.block_m) * p.nheads * p.batch;
   return fwd_num_splits(ctas, p.batch, device_sm_count() * tile.ctas_per_sm, ceil_div_host(p.seqlen_k, tile.block_n));
 }
