@@ -285,6 +285,33 @@ def test_forward_runs_the_smallest_instance_that_covers_the_call(require_kernel)
     assert instance() == "kLogits"
 
 
+@gpu
+@pytest.mark.parametrize("variant", ["alone", "window", "splits"])
+@pytest.mark.parametrize("seqlens", [(1000, 1000), (300, 1000), (1000, 300), (40, 1000)], ids=lambda s: "{}x{}".format(*s))
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_alibi_forward_in_every_loop_window_and_split(d, seqlens, variant, require_kernel, launch_overrides):
+    """Non-causal ALiBi forwards through each of the forward's key-block loops (d64: two stages, unrolled; d96: two
+    stages; d128: one stage; 40 rows: the decode tile), with seqlen_k cutting the last block, alone, within a window's
+    band and split three ways. The slopes run from ~2^-2 to ~2^-8 per key: the shallow heads weigh far blocks, so a
+    block visited twice or missed, or the cut block's rows left unmasked, shows in out and lse; the steep heads raise
+    each row's max on nearly every block before its diagonal."""
+    require_kernel("fwd", d, torch.bfloat16)
+    (sq, sk), b, h = seqlens, 2, 4
+    if variant == "splits":
+        launch_overrides(num_splits=3)
+    window = (300, 200) if variant == "window" else (-1, -1)
+    q, k, v = randn(b, sq, h, d), randn(b, sk, h, d), randn(b, sk, h, d)
+    options = _options(False, window, 0.0, alibi_slopes("bh", b, h))
+    out = poison(torch.empty_like(q))
+    _, lse = fa2.fwd(q, k, v, out=out, **options)
+    assert_written(out, name="out")
+    out64, lse64 = attention_ref(q, k, v, **options)
+    out_low, _ = attention_ref(q, k, v, upcast=False, **options)
+    _, lse32 = attention_ref(q.float(), k.float(), v.float(), upcast=False, **options)
+    assert_close_to_ref(out, out64, out_low, name=f"out d{d} {sq}x{sk} {variant}")
+    assert_lse_close(lse, lse64, lse32, name=f"lse d{d} {sq}x{sk} {variant}")
+
+
 # ------------------------------------------------------------------------------------------------ dropout
 DROPOUT_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, window_size, softcap, alibi, sink)
     (2, 300, 257, 4, 2, 64, False, (-1, -1), 0.0, None, False),
