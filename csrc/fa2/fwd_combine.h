@@ -1,8 +1,9 @@
 // Split-KV's second step: each row's partial results, one per split of its keys (fwd_kernel.h), merged into o and
 // lse. A split with lse_s over its keys and O_s normalised over them contributes exp(lse_s - lse) O_s, where
-// lse = log(sum_s exp(lse_s) + exp(sink)); empty splits have lse_s = -inf and weigh nothing. One warp per row: the
-// splits' weights go through shared memory, then each lane sums its columns over the splits. Full-precision expf and
-// logf: the combine handles a decode's few rows, and lse's error budget is float32 attention's.
+// lse = log(sum_s exp(lse_s) + exp(sink)); empty splits have lse_s = -inf and weigh nothing. One block per row: a
+// decode has few rows (32 at batch 1), so the splits of a row are spread over the block's threads, each reading
+// 16-byte chunks, to keep enough loads in flight; a warp per row took longer than cuDNN's whole combine
+// (docs/tuning.md#split-kv). Full-precision expf and logf: lse's error budget is float32 attention's.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,14 +13,17 @@
 
 namespace fa2 {
 
-constexpr int kCombineWarps = 4;
+constexpr int kCombineThreads = 128;
+static_assert(kMaxSplits <= kCombineThreads, "one split's lse per thread");
 
 template <typename Element>
-__global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const __grid_constant__ FwdParams p) {
-  __shared__ float weights[kCombineWarps][kMaxSplits];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t row = int64_t(blockIdx.x) * kCombineWarps + warp;
-  if (row >= p.lse_rows) return;
+__global__ void __launch_bounds__(kCombineThreads) fwd_combine_kernel(const __grid_constant__ FwdParams p) {
+  constexpr int kWarps = kCombineThreads / 32;
+  __shared__ float weights[kMaxSplits];
+  __shared__ float warp_values[kWarps];
+  __shared__ float4 group_sums[kCombineThreads];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int64_t row = blockIdx.x;  // the grid has one block per lse row
 
   // Which (batch, head, query) this lse row is: lse is (batch, nheads, seqlen_q), or (nheads, total_q) packed.
   int64_t o_offset;
@@ -33,32 +37,52 @@ __global__ void __launch_bounds__(32 * kCombineWarps) fwd_combine_kernel(const _
     o_offset = row % p.total_q * p.o_stride.row + head * p.o_stride.head;
   }
 
+  // The block's max or sum of one value per thread.
+  auto block_reduce = [&](float x, auto op) {
+    for (int offset = 16; offset > 0; offset /= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    if (lane == 0) warp_values[warp] = x;
+    __syncthreads();
+    x = warp_values[0];
+    for (int w = 1; w < kWarps; ++w) x = op(x, warp_values[w]);
+    __syncthreads();  // warp_values is reused
+    return x;
+  };
   const float sink = p.sink == nullptr ? -INFINITY : p.sink[head];
-  float m = sink;
-  for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, p.lse_partial[s * p.lse_rows + row]);
-  for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-  float l = 0.f;
-  if (m != -INFINITY) {
-    for (int s = lane; s < p.num_splits; s += 32) l += expf(p.lse_partial[s * p.lse_rows + row] - m);
-    for (int offset = 16; offset > 0; offset /= 2) l += __shfl_xor_sync(0xffffffffu, l, offset);
-    l += expf(sink - m);
-  }
+  const float lse_s = tid < p.num_splits ? p.lse_partial[tid * p.lse_rows + row] : -INFINITY;  // split tid's
+  const float m = fmaxf(sink, block_reduce(lse_s, [](float a, float b) { return fmaxf(a, b); }));
+  float l = block_reduce(m == -INFINITY ? 0.f : expf(lse_s - m), [](float a, float b) { return a + b; });
+  if (m != -INFINITY) l += expf(sink - m);
   const bool empty = l == 0.f;  // no key in any split and no sink: O = 0, lse = -inf, as fwd_kernel.h's rows
   const float lse = empty ? -INFINITY : m + logf(l);
-  for (int s = lane; s < p.num_splits; s += 32) {
-    weights[warp][s] = empty ? 0.f : expf(p.lse_partial[s * p.lse_rows + row] - lse);
-  }
-  __syncwarp();
+  if (tid < p.num_splits) weights[tid] = empty ? 0.f : expf(lse_s - lse);
+  __syncthreads();
 
-  Element* o = static_cast<Element*>(p.o) + o_offset;
-  for (int col = lane; col < p.head_dim; col += 32) {
-    float acc = 0.f;
-    for (int s = 0; s < p.num_splits; ++s) {
-      acc += weights[warp][s] * p.o_partial[(s * p.lse_rows + row) * p.head_dim + col];
+  // O: the row's 16-byte chunks (head_dim is a multiple of 8) over the threads, and the splits over `groups` groups
+  // of threads, each summing every groups-th split; the groups' sums meet in shared memory.
+  const int chunks = p.head_dim / 4, groups = kCombineThreads / chunks;
+  const int chunk = tid % chunks, group = tid / chunks;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (group < groups) {
+    const float4* src = reinterpret_cast<const float4*>(p.o_partial + row * p.head_dim) + chunk;
+    const int64_t split_stride = p.lse_rows * p.head_dim / 4;  // in chunks
+#pragma unroll 4
+    for (int s = group; s < p.num_splits; s += groups) {
+      const float w = weights[s];
+      const float4 x = src[s * split_stride];
+      acc.x += w * x.x, acc.y += w * x.y, acc.z += w * x.z, acc.w += w * x.w;
     }
-    o[col] = Element(acc);
   }
-  if (lane == 0) p.lse[row] = lse;
+  group_sums[tid] = acc;
+  __syncthreads();
+  if (tid < chunks) {
+    for (int g = 1; g < groups; ++g) {
+      const float4 x = group_sums[g * chunks + tid];
+      acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
+    }
+    Element* o = static_cast<Element*>(p.o) + o_offset + 4 * tid;
+    o[0] = Element(acc.x), o[1] = Element(acc.y), o[2] = Element(acc.z), o[3] = Element(acc.w);
+  }
+  if (tid == 0) p.lse[row] = lse;
 }
 
 }  // namespace fa2

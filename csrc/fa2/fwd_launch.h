@@ -36,8 +36,7 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
   check_cuda(cudaGetLastError(), "fwd launch");
   if (p.num_splits > 1) {
-    const int blocks = int((p.lse_rows + kCombineWarps - 1) / kCombineWarps);
-    fwd_combine_kernel<typename Traits::Element><<<blocks, 32 * kCombineWarps, 0, stream>>>(p);
+    fwd_combine_kernel<typename Traits::Element><<<unsigned(p.lse_rows), kCombineThreads, 0, stream>>>(p);
     check_cuda(cudaGetLastError(), "fwd combine launch");
   }
 }
