@@ -1,8 +1,8 @@
 // Split-KV's second step: each row's partial results, one per split of its keys (fwd_kernel.h), merged into o and
 // lse. A split with lse_s over its keys and O_s normalised over them contributes exp(lse_s - lse) O_s, where
 // lse = log(sum_s exp(lse_s) + exp(sink)); empty splits have lse_s = -inf and weigh nothing. One block per row: a
-// decode has few rows (32 at batch 1), so the splits of a row are spread over the block's threads, each reading
-// 16-byte chunks, to keep enough loads in flight; a warp per row took longer than cuDNN's whole combine
+// decode has few rows (32 at batch 1), so a warp per row would leave most SMs idle and each lane's loads one split
+// after another; instead the splits of a row are spread over the block's threads, each reading 16-byte chunks
 // (docs/tuning.md#split-kv). Full-precision expf and logf: lse's error budget is float32 attention's.
 #pragma once
 
