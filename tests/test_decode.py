@@ -11,9 +11,8 @@ import torch
 
 import fa2
 from fa2 import ops
-from fa2.reference import attention_ref
-from test_features import CONSUMER_SMEM, alibi_slopes, check_against_reference, randn
-from tolerance import assert_close_to_ref, assert_lse_close, assert_written, poison
+from test_features import CONSUMER_SMEM, alibi_slopes, check_against_reference, check_forward, randn
+from tolerance import assert_written, poison
 
 gpu = pytest.mark.gpu
 
@@ -60,15 +59,6 @@ def test_split_forward_matches_reference(case, splits, require_kernel):
     grads = torch.autograd.grad(out, [q, k, v] + ([sink] if sink_grad else []), dout)
     check_against_reference(out, lse, grads, q, k, v, sink, dout, options, f"{case} splits {splits}")
     check_against_reference(given, lse, grads, q, k, v, sink, dout, options, f"{case} splits {splits}, out=")
-
-
-def check_forward(out, lse, q, k, v, tag, **options):
-    """out and lse against the fp64 reference (FlashAttention's rule), without a backward."""
-    out64, lse64 = attention_ref(q, k, v, **options)
-    out_low, _ = attention_ref(q, k, v, upcast=False, **options)
-    _, lse32 = attention_ref(q.float(), k.float(), v.float(), upcast=False, **options)
-    assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
-    assert_lse_close(lse, lse64, lse32, name=f"lse {tag}")
 
 
 @gpu

@@ -83,6 +83,15 @@ def check_against_reference(out, lse, grads, q, k, v, sink, dout, options, tag):
         assert_close_to_ref(g, r64, rl, name=f"{name} {tag}", scale=None if name == "dsink" else scale)
 
 
+def check_forward(out, lse, q, k, v, tag, **options):
+    """out and lse against the fp64 reference (FlashAttention's rule), without a backward."""
+    out64, lse64 = attention_ref(q, k, v, **options)
+    out_low, _ = attention_ref(q, k, v, upcast=False, **options)
+    _, lse32 = attention_ref(q.float(), k.float(), v.float(), upcast=False, **options)
+    assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
+    assert_lse_close(lse, lse64, lse32, name=f"lse {tag}")
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -305,11 +314,7 @@ def test_alibi_forward_in_every_loop_window_and_split(d, seqlens, variant, requi
     out = poison(torch.empty_like(q))
     _, lse = fa2.fwd(q, k, v, out=out, **options)
     assert_written(out, name="out")
-    out64, lse64 = attention_ref(q, k, v, **options)
-    out_low, _ = attention_ref(q, k, v, upcast=False, **options)
-    _, lse32 = attention_ref(q.float(), k.float(), v.float(), upcast=False, **options)
-    assert_close_to_ref(out, out64, out_low, name=f"out d{d} {sq}x{sk} {variant}")
-    assert_lse_close(lse, lse64, lse32, name=f"lse d{d} {sq}x{sk} {variant}")
+    check_forward(out, lse, q, k, v, f"d{d} {sq}x{sk} {variant}", **options)
 
 
 # ------------------------------------------------------------------------------------------------ dropout
