@@ -439,6 +439,8 @@ def decode_fn(impl, fa2, q, k, v):
     if impl == "fa2":
         out = torch.empty_like(q)
         return (lambda: fa2.fwd(q, k, v, out=out)), False
+    if impl in KVCACHE_IMPLS:
+        return kvcache_fn(impl, fa2, q, k, v), False
     backend = sdpa_backend(impl)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     gqa = q.shape[2] != k.shape[2]
@@ -459,10 +461,37 @@ def decode_fn(impl, fa2, q, k, v):
     return call, True
 
 
+# fa2.attention_with_kvcache over the same keys: the cache as one entry per sequence, as 256-row pages in shuffled
+# order, or with the step's seqlen_q rows appended first (its last rows, rewritten in place on every call).
+KVCACHE_IMPLS = ("fa2_kvcache", "fa2_paged", "fa2_append")
+
+
+def kvcache_fn(impl, fa2, q, k, v):
+    import torch
+    b, sk = k.shape[:2]
+    lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
+    if impl == "fa2_kvcache":
+        return lambda: fa2.attention_with_kvcache(q, k, v, cache_seqlens=lens)
+    if impl == "fa2_append":
+        sq = q.shape[1]
+        new_k, new_v = k[:, sk - sq:].clone(), v[:, sk - sq:].clone()
+        held = lens - sq
+        return lambda: fa2.attention_with_kvcache(q, k, v, new_k, new_v, cache_seqlens=held)
+    page = 256
+    pages = -(-sk // page)
+    table = torch.randperm(b * pages, device="cuda").view(b, pages).int()
+    k_pages, v_pages = (torch.zeros(b * pages, page, *t.shape[2:], device="cuda", dtype=t.dtype) for t in (k, v))
+    rows = torch.arange(sk, device="cuda")
+    for i in range(b):
+        k_pages[table[i].long()[rows // page], rows % page] = k[i]
+        v_pages[table[i].long()[rows // page], rows % page] = v[i]
+    return lambda: fa2.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, block_table=table)
+
+
 def run_decode(args):
     import torch
     shapes = decode_shapes(args)
-    impls = common.csv_list(args.impls, allowed=("fa2",) + SDPA_IMPLS, name="--impls")
+    impls = common.csv_list(args.impls, allowed=("fa2",) + KVCACHE_IMPLS + SDPA_IMPLS, name="--impls")
     h, hk, d = args.nheads, args.nheads_k, args.hdim
     if args.dry_run:
         print(f"# decode: h{h}/{hk} d{d} {args.dtype}, non-causal (the queries see the whole cache), impls {impls}")
@@ -854,7 +883,10 @@ def parser():
     p.add_argument("--nheads-k", type=int, default=8)
     p.add_argument("--hdim", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=common.DTYPE_NAMES)
-    p.add_argument("--impls", default="fa2,sdpa_flash,sdpa_cudnn", help="comma list of fa2, " + ", ".join(SDPA_IMPLS))
+    p.add_argument("--impls", default="fa2,sdpa_flash,sdpa_cudnn",
+                   help="comma list of fa2, " + ", ".join(KVCACHE_IMPLS + SDPA_IMPLS) + " (fa2_kvcache: "
+                        "fa2.attention_with_kvcache on the same cache; fa2_paged: the cache in shuffled 256-row pages; "
+                        "fa2_append: appending the step's rows first)")
     p.add_argument("--out", default=None, help="results .jsonl (default bench/results/<gpu>-<date>-decode.jsonl)")
     p.add_argument("--no-check", action="store_true", help="skip the tests' reference check before timing")
     p.set_defaults(run=run_decode)

@@ -9,7 +9,8 @@ Both modes then run every head dim again with a block limited to 99 KB (csrc/CON
 configurations of consumer GPUs (csrc/fa2/config.h), padded and packed: d256's keeps P and dS in the bytes of V.
 The last two cases are split (split-KV, fwd_combine.h). Last, the cases again with a sliding window (blocks skipped
 on both sides, rows that see no key), softcap, ALiBi, dropout and sinks; --features runs only those, then once more
-on 99 KB configurations.
+on 99 KB configurations. First, KV-cache calls (fa2.attention_with_kvcache), paged and not, with index values out of
+range.
 """
 import sys
 
@@ -84,7 +85,30 @@ def run_cases(cases, varlen_cases, dtypes, window=None):
             assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
 
 
+def run_kvcache():
+    """fa2.attention_with_kvcache: appends and decodes against entries picked by cache_batch_idx and against pages
+    (every head dim with pages, so both 64-row tiles), then index values out of range, which the kernels must clamp
+    to the tensors (sanitizer: no access outside them)."""
+    for d in (64, 128, 224, 256):
+        if d not in fa2.build_info()["fwd_head_dims"]:
+            continue
+        for paged in (False, True):
+            k_cache, v_cache = (torch.randn(6, 256, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            q, k, v = (torch.randn(2, s, n, d, device="cuda", dtype=torch.bfloat16) for s, n in ((3, 4), (3, 2), (3, 2)))
+            where = (dict(block_table=torch.tensor([[4, 1, 0], [2, 5, 3]], device="cuda", dtype=torch.int32))
+                     if paged else dict(cache_batch_idx=torch.tensor([3, 0], device="cuda", dtype=torch.int32)))
+            for held in ([0, 250], [700, -9], [2 ** 31 - 3, 5]):  # in range, then past the capacity and negative
+                lens = torch.tensor(held, device="cuda", dtype=torch.int32)
+                fa2.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True, **where)
+            bad = torch.tensor([[-4, 99, 1], [2, 10 ** 6, 3]] if paged else [-1, 9], device="cuda", dtype=torch.int32)
+            where = {name: bad for name in where}
+            out = fa2.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, num_splits=3, **where)
+            torch.cuda.synchronize()
+            assert out.shape == q.shape
+
+
 dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)
+run_kvcache()
 if not features_only:
     run_cases(CASES, VARLEN[:1] if quick else VARLEN, dtypes)
     fa2._C.set_test_overrides(smem_limit=99 * 1024)  # test-only (csrc/CONTRACT.md)

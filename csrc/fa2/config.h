@@ -56,6 +56,14 @@ template <int kHeadDim> struct FwdDecodeConfig {
   static constexpr bool kEnabled = kHeadDim == 64 || kHeadDim == 128;
   static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4, kStages = 2;
 };
+// A paged KV cache (params.h: KvCache) is read by the 64-row tiles alone, the decode and narrow ones: their instances
+// carry the page lookups, which in the main tile's kLogits loop cost softcap, ALiBi and windows 3-7%
+// (docs/tuning.md#paged-kv). Page sizes are multiples of kPageRows, so that a key block lies in one page (fwd_launch.h
+// asserts every kBlockN divides it).
+constexpr int kPagedTileRows = 64, kPageRows = 64;
+template <int kHeadDim>
+constexpr bool fwd_reads_pages = FwdDecodeConfig<kHeadDim>::kEnabled || FwdNarrowConfig<kHeadDim>::kEnabled;
+
 // A forward tile's CTAs per SM: 4 warps at <= 255 registers leave room for two, 8 warps for one.
 constexpr int fwd_ctas_per_sm(int warps) { return warps == 4 ? 2 : 1; }
 
@@ -73,10 +81,15 @@ constexpr int fwd_smem_bytes() {
 // where it fits the shared memory a block may use.
 enum class FwdTile { kMain, kNarrow, kDecode };
 template <int kHeadDim>
-constexpr FwdTile fwd_tile_for(int seqlen_q, int seqlen_k, bool causal, bool dropout, int smem_limit) {
+constexpr FwdTile fwd_tile_for(int seqlen_q, int seqlen_k, bool causal, bool dropout, int smem_limit,
+                               bool paged = false) {
   using Narrow = FwdNarrowConfig<kHeadDim>;
   using Decode = FwdDecodeConfig<kHeadDim>;
   static_assert(!(Narrow::kEnabled && Decode::kEnabled), "a head dim has at most one alternative forward tile");
+  static_assert(Narrow::kBlockM == kPagedTileRows && Decode::kBlockM == kPagedTileRows &&
+                FwdConfig<kHeadDim>::kBlockM != kPagedTileRows, "the 64-row tiles read pages, the main one does not");
+  // Both fit 99 KB at every head dim that has them. A paged call never has dropout (fa2.attention_with_kvcache).
+  if (paged) return Decode::kEnabled ? FwdTile::kDecode : FwdTile::kNarrow;
   const int seqlen = seqlen_q > seqlen_k ? seqlen_q : seqlen_k;
   if (Narrow::kEnabled && (seqlen <= (causal ? Narrow::kMaxSeqlenCausal : Narrow::kMaxSeqlen) ||
                            fwd_smem_bytes<FwdConfig<kHeadDim>, kHeadDim>() > smem_limit)) {

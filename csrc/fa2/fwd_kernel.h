@@ -7,6 +7,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "fa2/config.h"
 #include "fa2/dropout.h"
 #include "fa2/mask.h"
 #include "fa2/params.h"
@@ -55,8 +56,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
 
   // Full tensors of this (sequence, head), then this block's tiles.
   Tensor mQ = seq.q_tensor<kHeadDim, const Element>(p.q, p.q_stride, batch, head);
-  Tensor mK = seq.k_tensor<kHeadDim, const Element>(p.k, p.k_stride, batch, head_kv);
-  Tensor mV = seq.k_tensor<kHeadDim, const Element>(p.v, p.v_stride, batch, head_kv);
+  Tensor mK = seq.k_tensor<kHeadDim, const Element>(p.k, p.k_stride, seq.kv_batch, head_kv);
+  Tensor mV = seq.k_tensor<kHeadDim, const Element>(p.v, p.v_stride, seq.kv_batch, head_kv);
   Tensor gQ = local_tile(mQ, BlockQ{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
   Tensor gK = local_tile(mK, BlockKV{}, make_coord(_, 0));        // (kBlockN, kHeadDim, n_blocks)
   Tensor gV = local_tile(mV, BlockKV{}, make_coord(_, 0));
@@ -178,11 +179,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   Tensor tKgKn = tKgK(_, _, _, max(n_block_end - 1, 0));
   Tensor tVgVn = tVgV(_, _, _, max(n_block_end - 1, 0));
   const auto k_block_step = stride<3>(tKgK), v_block_step = stride<3>(tVgV);
-  // The next block of K or V into buffer `stage`; rows >= max_row are zero-filled (only where kCheckRows).
-  auto load_next = [&](auto check_rows, auto& tXgXn, auto block_step, auto const& tXsX, int stage, int max_row) {
+  // A paged KV cache: a key block's rows lie in one page (page sizes are multiples of kPageRows), at cache_row_offset
+  // from page 0's rows, where mK and mV start; the running tiles step from one block's page to the next one's. Only
+  // in the 64-row tiles' instances, which the launch routes paged calls to (config.h: fwd_tile_for).
+  constexpr bool kPagedKV = kBlockM == kPagedTileRows && kTransforms != ScoreTransforms::kNone;
+  const bool paged = kPagedKV && p.cache.block_table != nullptr;
+  if (paged) {
+    const int first_row = max(n_block_end - 1, 0) * kBlockN;
+    tKgKn.data() = tKgK(_, _, _, 0).data() + cache_row_offset(p.cache, p.k_stride, batch, first_row);
+    tVgVn.data() = tVgV(_, _, _, 0).data() + cache_row_offset(p.cache, p.v_stride, batch, first_row);
+  }
+  // Block n of K or V into buffer `stage`, rows >= max_row zero-filled (only where kCheckRows); then the source tile
+  // steps to block n - 1.
+  auto load_next = [&](auto check_rows, auto& tXgXn, auto block_step, Strides const& st, auto const& tXsX, int stage,
+                       int max_row, int n) {
     copy_tile<decltype(check_rows)::value>(gmem_copy, tXgXn, make_tensor(tXsX.data() + stage * kKVElems, tXsX.layout()),
                                            tKcK, max_row, p.head_dim);
-    tXgXn.data() = tXgXn.data() + (-block_step);
+    if (!paged) {
+      tXgXn.data() = tXgXn.data() + (-block_step);
+    } else if (n > 0) {
+      tXgXn.data() = tXgXn.data() + (cache_row_offset(p.cache, st, batch, (n - 1) * kBlockN) -
+                                     cache_row_offset(p.cache, st, batch, n * kBlockN));
+    }
   };
   constexpr std::true_type kCut{};      // the block seqlen_k may cut
   constexpr std::false_type kWhole{};   // any other block
@@ -192,8 +210,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   if (n_block_end > n_block_begin) {
     copy_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, seq.seqlen_q - row_offset, p.head_dim);
     const int last_rows = seq.seqlen_k - (n_block_end - 1) * kBlockN;
-    load_next(kCut, tKgKn, k_block_step, tKsK, 0, last_rows);
-    if constexpr (kStages == 2) load_next(kCut, tVgVn, v_block_step, tVsV, 0, last_rows);
+    load_next(kCut, tKgKn, k_block_step, p.k_stride, tKsK, 0, last_rows, n_block_end - 1);
+    if constexpr (kStages == 2) load_next(kCut, tVgVn, v_block_step, p.v_stride, tVsV, 0, last_rows, n_block_end - 1);
     cp_async_fence();
   }
   if constexpr (kStages == 2) {
@@ -206,8 +224,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
       cp_async_wait<0>();
       __syncthreads();  // K[n], V[n] landed; every warp is done with block n+1, whose buffers are refilled now
       if (n_block > n_block_begin) {
-        load_next(kWhole, tKgKn, k_block_step, tKsK, stage ^ 1, kBlockN);
-        load_next(kWhole, tVgVn, v_block_step, tVsV, stage ^ 1, kBlockN);
+        load_next(kWhole, tKgKn, k_block_step, p.k_stride, tKsK, stage ^ 1, kBlockN, n_block - 1);
+        load_next(kWhole, tVgVn, v_block_step, p.v_stride, tVsV, stage ^ 1, kBlockN, n_block - 1);
         cp_async_fence();
       }
       s_gemm(acc_s, n_block, stage * kKVElems);
@@ -231,13 +249,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
       Tensor acc_s = partition_fragment_C(tiled_mma, BlockS{});
       cp_async_wait<0>();
       __syncthreads();  // K[n] (and Q) landed; all warps finished O += P V[n+1], so sV may be refilled
-      load_next(kCut, tVgVn, v_block_step, tVsV, 0, seq.seqlen_k - n_block * kBlockN);
+      load_next(kCut, tVgVn, v_block_step, p.v_stride, tVsV, 0, seq.seqlen_k - n_block * kBlockN, n_block);
       cp_async_fence();
       s_gemm(acc_s, n_block, 0);
       cp_async_wait<0>();
       __syncthreads();  // V[n] landed; all warps finished S = Q K[n]^T, so sK may be refilled
       if (n_block > n_block_begin) {
-        load_next(kWhole, tKgKn, k_block_step, tKsK, 0, kBlockN);
+        load_next(kWhole, tKgKn, k_block_step, p.k_stride, tKsK, 0, kBlockN, n_block - 1);
         cp_async_fence();
       }
       softmax_pv(acc_s, n_block, 0);

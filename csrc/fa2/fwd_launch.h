@@ -20,6 +20,7 @@ using FwdTraitsOf = FwdTraits<kHeadDim, Config::kBlockM, Config::kBlockN, Config
 
 template <typename Traits, ScoreTransforms kTransforms>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
+  static_assert(kPageRows % Traits::kBlockN == 0, "a key block lies in one page of a paged cache");
   constexpr int smem = Traits::kSmemSize;
   constexpr auto kernel = &fwd_kernel<Traits, kTransforms>;
   if (params.num_splits > 1 && kTransforms != ScoreTransforms::kLogits) {
@@ -45,8 +46,10 @@ template <int kHeadDim, DType kDType>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
   using Main = FwdTraitsOf<kHeadDim, FwdConfig<kHeadDim>, kDType, kFwdUnrollStages<kHeadDim>>;
   static_assert(Main::kSmemSize == fwd_smem_bytes<FwdConfig<kHeadDim>, kHeadDim>(), "config.h sizes the main tile");
+  const bool paged = params.cache.block_table != nullptr;
+  if (paged && !fwd_reads_pages<kHeadDim>) throw std::logic_error("fa2: a paged call reached a head dim without pages");
   const FwdTile tile = fwd_tile_for<kHeadDim>(params.seqlen_q, params.seqlen_k, params.causal,
-                                              params.rng_state != nullptr, block_smem_limit(params));
+                                              params.rng_state != nullptr, block_smem_limit(params), paged);
   // The narrow tile (short d256 sequences, 99 KB GPUs) runs everything with its one instance, to keep the build
   // smaller; the decode tile (at most 64 query rows) has the kLogits instance: split-KV and the transforms decoding
   // uses; the main tile has an instance per set of transforms (fwd_kernel.h).

@@ -88,5 +88,6 @@ int kernel_code_arch() {
 
 template <int kHeadDim, DType kDType> void run_fwd(const FwdParams& p, cudaStream_t stream);
 template <int kHeadDim, DType kDType> void run_bwd(const BwdParams& p, cudaStream_t stream);
+void run_kv_append(const KvAppendParams& p, cudaStream_t stream);  // csrc/kernels/kv_append.cu
 
 }  // namespace fa2

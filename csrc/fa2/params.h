@@ -11,6 +11,21 @@ struct Strides {
   int64_t batch = 0, row = 0, head = 0;
 };
 
+// A KV cache (fa2.attention_with_kvcache): per sequence, how many of its cache rows hold keys, and where its rows live.
+// Sequence b's cache rows are those of batch entry batch_index[b] of the cache tensors, or, paged, row r of it is row
+// r % page_size of page block_table[b][r / page_size] (the tensors' dim 0 then counts pages). The kernels clamp every
+// value read here to the tensors' bounds: bad values give wrong numbers, never out-of-bounds accesses.
+struct KvCache {
+  const int* seqlens = nullptr;  // (batch,) rows held before this call; nullptr: `seqlen` rows for every sequence
+  int seqlen = 0;
+  int appended = 0;              // rows this call appends after them (the new keys' seqlen)
+  int capacity = 0;              // rows a sequence's cache can hold
+  const int* batch_index = nullptr;  // (batch,) cache entry of each sequence; nullptr: entry b
+  int cache_batch = 0;               // the cache tensors' dim 0: entries, or pages when paged
+  const int* block_table = nullptr;  // (batch, block_table_stride) page ids; nullptr: not paged
+  int block_table_stride = 0, page_size = 0;
+};
+
 constexpr int kMaxSplits = 128;  // split-KV's most splits (FwdParams::num_splits): fwd_combine.h's shared memory
 
 struct FwdParams {
@@ -67,12 +82,32 @@ struct FwdParams {
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
   int total_q = 0, total_k = 0;
+
+  // A KV cache (padded batches only; k/v and their strides are the cache tensors'). With cache.seqlens, sequence b
+  // sees the first min(cache.seqlens[b] + cache.appended, seqlen_k) rows of its cache, seqlen_k being the capacity;
+  // without, seqlen_k rows.
+  KvCache cache;
+};
+
+// Appending a step's new keys and values to a KV cache (kv_append.h): row s of sequence b's k_new/v_new goes to cache
+// row cache.seqlens[b] + s, skipped where that is past the capacity.
+struct KvAppendParams {
+  const void* k_new = nullptr;
+  const void* v_new = nullptr;
+  Strides k_new_stride, v_new_stride;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  Strides k_cache_stride, v_cache_stride;
+  int batch = 0, seqlen_new = 0, nheads_k = 0;
+  int row_bytes = 0;  // head_dim * element size, a multiple of 16
+  KvCache cache;
 };
 
 // The per-score transforms a forward instance compiles in; the launch picks the smallest that covers the call
 // (docs/tuning.md#features-off).
 // A window's left edge goes with them (kNone masks causal's and seqlen_k's edges only), and split-KV with kLogits
-// alone (a call with dropout is never split: config.h).
+// alone (a call with dropout is never split: config.h). A paged cache is read by the 64-row tiles (config.h), whose
+// instances are kLogits (decode) and kAll (narrow).
 enum class ScoreTransforms {
   kNone,
   kLogits,  // softcap, ALiBi, a left edge, split-KV

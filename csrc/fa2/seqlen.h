@@ -9,14 +9,34 @@
 namespace fa2 {
 using namespace cute;
 
+// A KV cache's rows (params.h: KvCache). Every index read from the caller's tensors is clamped to their bounds.
+// The cache entry (dim 0) of sequence `batch`'s rows in an unpaged cache.
+__device__ __forceinline__ int cache_entry(KvCache const& c, int batch) {
+  return c.batch_index == nullptr ? batch : min(max(c.batch_index[batch], 0), c.cache_batch - 1);
+}
+// The element offset of row `row` of sequence `batch` (head 0) in a cache tensor with strides st.
+__device__ __forceinline__ int64_t cache_row_offset(KvCache const& c, Strides const& st, int batch, int row) {
+  if (c.block_table == nullptr) return cache_entry(c, batch) * st.batch + row * st.row;
+  const int page = min(max(c.block_table[int64_t(batch) * c.block_table_stride + row / c.page_size], 0),
+                       c.cache_batch - 1);
+  return page * st.batch + (row % c.page_size) * st.row;
+}
+
 struct SeqInfo {
   int seqlen_q, seqlen_k;    // this sequence's lengths
+  int kv_batch;              // the batch entry of its k and v: its own, a KV cache's batch_index one, or 0 when paged
   int64_t q_start, k_start;  // its first token in a packed tensor (0 for padded batches)
   int64_t stats_row;         // row 0 of this (batch, head) in lse, d_sum and dq_accum
 
   __device__ __forceinline__ SeqInfo(FwdParams const& p, int batch, int head) {
+    kv_batch = batch;
     if (p.cu_seqlens_q == nullptr) {
       seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
+      if (p.cache.seqlens != nullptr) {
+        seqlen_k = int(min(max(int64_t(p.cache.seqlens[batch]) + p.cache.appended, int64_t(0)), int64_t(p.seqlen_k)));
+      }
+      // Paged: the kernel adds each key block's page offset (cache_row_offset) to page 0's rows.
+      kv_batch = p.cache.block_table != nullptr ? 0 : cache_entry(p.cache, batch);
       q_start = 0, k_start = 0;
       stats_row = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
       return;

@@ -128,6 +128,24 @@ PyObject* take_recorded_launches(PyObject*, PyObject*) {
     set_item(d, "cu_seqlens_q", ptr(p.cu_seqlens_q)), set_item(d, "cu_seqlens_k", ptr(p.cu_seqlens_k));
     set_item(d, "total_q", PyLong_FromLong(p.total_q)), set_item(d, "total_k", PyLong_FromLong(p.total_k));
     set_item(d, "num_splits", PyLong_FromLong(p.num_splits));
+    const fa2::KvCache& c = l.kind == "kv_append" ? l.append.cache : p.cache;
+    set_item(d, "cache_seqlens", ptr(c.seqlens)), set_item(d, "cache_seqlen", PyLong_FromLong(c.seqlen));
+    set_item(d, "cache_appended", PyLong_FromLong(c.appended));
+    set_item(d, "cache_capacity", PyLong_FromLong(c.capacity));
+    set_item(d, "cache_batch_index", ptr(c.batch_index)), set_item(d, "cache_batch", PyLong_FromLong(c.cache_batch));
+    set_item(d, "block_table", ptr(c.block_table));
+    set_item(d, "block_table_stride", PyLong_FromLong(c.block_table_stride));
+    set_item(d, "page_size", PyLong_FromLong(c.page_size));
+    if (l.kind == "kv_append") {
+      const fa2::KvAppendParams& a = l.append;
+      set_item(d, "k_new", ptr(a.k_new)), set_item(d, "v_new", ptr(a.v_new));
+      set_item(d, "k_cache", ptr(a.k_cache)), set_item(d, "v_cache", ptr(a.v_cache));
+      set_item(d, "k_new_stride", strides(a.k_new_stride)), set_item(d, "v_new_stride", strides(a.v_new_stride));
+      set_item(d, "k_cache_stride", strides(a.k_cache_stride));
+      set_item(d, "v_cache_stride", strides(a.v_cache_stride));
+      set_item(d, "batch", PyLong_FromLong(a.batch)), set_item(d, "seqlen_new", PyLong_FromLong(a.seqlen_new));
+      set_item(d, "nheads_k", PyLong_FromLong(a.nheads_k)), set_item(d, "row_bytes", PyLong_FromLong(a.row_bytes));
+    }
     if (l.kind == "bwd") {
       set_item(d, "dout", ptr(p.dout)), set_item(d, "dq", ptr(p.dq)), set_item(d, "dk", ptr(p.dk));
       set_item(d, "dv", ptr(p.dv)), set_item(d, "dq_accum", ptr(p.dq_accum)), set_item(d, "d_sum", ptr(p.d_sum));

@@ -546,6 +546,18 @@ void launch_fwd(const FwdParams& p, DType dtype, int kernel_dim, int device) {
   throw std::logic_error("fa2: forward dispatch fell through");
 }
 
+void launch_kv_append(const KvAppendParams& p, int device) {
+  if (recording()) {
+    RecordedLaunch launch{"kv_append", BwdParams{}, "any"};
+    launch.append = p;
+    std::lock_guard<std::mutex> lock(g_recorded_mutex);
+    g_recorded.push_back(launch);
+    return;
+  }
+  check_gpu(device);
+  run_kv_append(p, current_stream(device));
+}
+
 void launch_bwd(const BwdParams& p, DType dtype, int kernel_dim, int device) {
   const std::optional<cudaStream_t> stream = launch_stream("bwd", p, dtype, device);
   if (!stream) return;
@@ -588,7 +600,8 @@ constexpr FwdTileShape fwd_tile_shape(bool narrow) {
 }
 template <int D>
 FwdTileShape fwd_tile_shape_of(const FwdParams& p, int smem_limit) {
-  switch (fwd_tile_for<D>(p.seqlen_q, p.seqlen_k, p.causal, p.rng_state != nullptr, smem_limit)) {
+  switch (fwd_tile_for<D>(p.seqlen_q, p.seqlen_k, p.causal, p.rng_state != nullptr, smem_limit,
+                          p.cache.block_table != nullptr)) {
     case FwdTile::kNarrow: return fwd_tile_shape<FwdNarrowConfig<D>>(true);
     case FwdTile::kDecode: return fwd_tile_shape<FwdDecodeConfig<D>>(false);
     default: return fwd_tile_shape<FwdConfig<D>>(false);
@@ -607,13 +620,25 @@ FwdTileShape fwd_tile_shape(const FwdParams& p, int kernel_dim, int smem_limit) 
   }
 }
 
-// Split-KV's count (config.h: fwd_num_splits), or the test override's. Only the kLogits instances split, so a call
+// Whether the forward of this compiled head dim reads paged KV caches (config.h: fwd_reads_pages).
+bool reads_pages(int kernel_dim) {
+  switch (kernel_dim) {
+#define FA2_PAGES(D) case D: return fwd_reads_pages<D>;
+    FA2_PAGES(32) FA2_PAGES(64) FA2_PAGES(96) FA2_PAGES(128) FA2_PAGES(160) FA2_PAGES(192) FA2_PAGES(224)
+    FA2_PAGES(256)
+#undef FA2_PAGES
+    default: return false;
+  }
+}
+
+// Split-KV's count (config.h: fwd_num_splits), or the test override's, or the caller's (`requested` > 0). Only the kLogits instances split, so a call
 // with dropout, or one that takes the narrow tile (short d256 sequences, d224/d256 on 99 KB GPUs), runs whole,
 // override or not. In record mode (CPU tests) there is no GPU: the tile is chosen for the test's smem_limit (or an
 // unlimited block), and no call is split unless the override says so.
-int num_splits(const FwdParams& p, int kernel_dim) {
+int num_splits(const FwdParams& p, int kernel_dim, int requested) {
   if (p.rng_state != nullptr) return 1;
-  const int forced = g_overrides.num_splits.load(std::memory_order_relaxed);
+  const int override_splits = g_overrides.num_splits.load(std::memory_order_relaxed);
+  const int forced = override_splits > 0 ? override_splits : requested;
   const int smem_limit = !recording() ? block_smem_limit(p) : p.smem_limit > 0 ? p.smem_limit : INT_MAX;
   const FwdTileShape tile = fwd_tile_shape(p, kernel_dim, smem_limit);
   if (tile.narrow) return 1;
@@ -621,6 +646,23 @@ int num_splits(const FwdParams& p, int kernel_dim) {
   if (recording()) return 1;
   const long long ctas = 1ll * ceil_div_host(p.seqlen_q, tile.block_m) * p.nheads * p.batch;
   return fwd_num_splits(ctas, p.batch, device_sm_count() * tile.ctas_per_sm, ceil_div_host(p.seqlen_k, tile.block_n));
+}
+
+// The launch of a forward whose parameters are filled: GQA decode packing, split-KV's count (`forced_splits` if > 0,
+// where the instance can split) and its workspaces.
+void launch_forward(FwdParams& p, const Tensor& q, const Tensor& out, const Tensor& lse, DType dtype, int kernel_dim,
+                    int forced_splits) {
+  pack_gqa_decode(p, q, out);
+  std::optional<Tensor> o_partial, lse_partial;  // split-KV's workspaces, alive until the launches are queued
+  p.num_splits = num_splits(p, kernel_dim, forced_splits);
+  if (p.num_splits > 1) {
+    p.lse_rows = lse.numel();
+    lse_partial = new_tensor(q, {p.num_splits, p.lse_rows}, ScalarType::Float);
+    o_partial = new_tensor(q, {p.num_splits, p.lse_rows, p.head_dim}, ScalarType::Float);
+    p.lse_partial = static_cast<float*>(lse_partial->data_ptr());
+    p.o_partial = static_cast<float*>(o_partial->data_ptr());
+  }
+  launch_fwd(p, dtype, kernel_dim, q.get_device_index());
 }
 
 // Padded when cu_q is null. Writes into `out` when given. Returns (out, lse).
@@ -653,17 +695,197 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
   }
   FwdParams p;
   fill_common(p, q, k, v, out, lse, s, softmax_scale, causal, f, cu_q, cu_k);
-  pack_gqa_decode(p, q, out);
-  std::optional<Tensor> o_partial, lse_partial;  // split-KV's workspaces, alive until the launches are queued
-  p.num_splits = num_splits(p, kernel_dim);
-  if (p.num_splits > 1) {
-    p.lse_rows = lse.numel();
-    lse_partial = new_tensor(q, {p.num_splits, p.lse_rows}, ScalarType::Float);
-    o_partial = new_tensor(q, {p.num_splits, p.lse_rows, p.head_dim}, ScalarType::Float);
-    p.lse_partial = static_cast<float*>(lse_partial->data_ptr());
-    p.o_partial = static_cast<float*>(o_partial->data_ptr());
+  launch_forward(p, q, out, lse, dtype, kernel_dim, 0);
+  return {out, lse};
+}
+
+// ------------------------------------------------------------------------------------------- the KV cache
+const Tensor* opt(const std::optional<Tensor>& t) { return t ? &*t : nullptr; }
+// fa2.attention_with_kvcache's checks, after which nothing can fail but a launch. The cache is (batch_cache,
+// capacity, nheads_k, head_dim), or paged (num_pages, page_size, nheads_k, head_dim) with block_table (batch,
+// max_pages); k_new/v_new (batch, seqlen_new, nheads_k, head_dim). Index values on the GPU are not read (that would
+// wait for the device on every decode step): the kernels clamp them to the cache.
+void check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const std::optional<Tensor>& k_new,
+                   const std::optional<Tensor>& v_new, const std::optional<Tensor>& cache_seqlens, int64_t cache_seqlen,
+                   const std::optional<Tensor>& cache_batch_idx, const std::optional<Tensor>& block_table,
+                   std::optional<double> softmax_scale) {
+  if (q.dim() != 4) {
+    value_error("q must be 4-D (batch, seqlen_q, nheads, head_dim), got shape " + str(q.sizes()) +
+                "; for one decode step per sequence, seqlen_q = 1");
   }
-  launch_fwd(p, dtype, kernel_dim, q.get_device_index());
+  const int64_t batch = q.size(0), head_dim = q.size(3);
+  const std::pair<const char*, const Tensor*> caches[] = {{"k_cache", &k_cache}, {"v_cache", &v_cache}};
+  for (auto [name, t] : caches) {
+    if (t->dim() != 4) {
+      value_error(std::string(name) + " must be 4-D: (batch_cache, capacity, nheads_k, head_dim), or with block_table "
+                  "(num_pages, page_size, nheads_k, head_dim); got shape " + str(t->sizes()));
+    }
+  }
+  if (!v_cache.sizes().equals(k_cache.sizes())) {
+    value_error("v_cache must have the same shape as k_cache " + str(k_cache.sizes()) + ", got " + str(v_cache.sizes()));
+  }
+  if (k_new.has_value() != v_new.has_value()) {
+    value_error(std::string("k and v (the new keys and values to append) go together, got only ") +
+                (k_new ? "k" : "v") + ": pass both, or neither");
+  }
+  if (k_new && !cache_seqlens && cache_seqlen < 0) {
+    value_error("appending k and v needs cache_seqlens, the rows each sequence's cache holds before them");
+  }
+  // The dtypes, q's layout and head dims, GQA and the scale as for any forward: k_new/v_new stand in for k and v
+  // where given, else a (batch, capacity, nheads_k, head_dim) view of the cache's first entries.
+  const Tensor& k_like = k_new ? *k_new : k_cache;
+  const Tensor& v_like = v_new ? *v_new : v_cache;
+  if (k_new && (k_new->dim() != 4 || k_new->size(0) != batch || k_new->size(2) != k_cache.size(2) ||
+                k_new->size(3) != k_cache.size(3))) {
+    value_error("k must be (batch=" + std::to_string(batch) + ", seqlen_new, nheads_k=" + std::to_string(k_cache.size(2)) +
+                ", head_dim=" + std::to_string(k_cache.size(3)) + ") to match q and k_cache, got " + str(k_new->sizes()));
+  }
+  if (k_cache.size(3) != head_dim) {
+    value_error("k_cache's head_dim (" + std::to_string(k_cache.size(3)) + ") must be q's (" + std::to_string(head_dim) +
+                ")");
+  }
+  for (auto [name, t] : caches) {
+    if (t->scalar_type() != q.scalar_type()) {
+      type_error(std::string(name) + " must have q's dtype " + str(q.scalar_type()) + ", got " + str(t->scalar_type()));
+    }
+    check_loadable(name, *t);
+  }
+  if (k_new) {
+    check_qkv(q, k_like, v_like, softmax_scale, false);
+  } else {
+    // check_qkv's checks with the cache standing in for k and v (its batch is checked below).
+    if (!is_half(q.scalar_type())) {
+      type_error("q must be float16 or bfloat16, got " + str(q.scalar_type()) + ": cast it (e.g. q.to(torch.bfloat16))");
+    }
+    const int64_t nheads_k = k_cache.size(2);
+    if (nheads_k == 0 || q.size(2) % nheads_k != 0) {
+      value_error("q's nheads (" + std::to_string(q.size(2)) + ") must be a multiple of the cache's nheads_k (" +
+                  std::to_string(nheads_k) + ") (GQA/MQA: each K/V head serves nheads // nheads_k query heads)");
+    }
+    if (head_dim % 8 != 0 || head_dim < 8 || head_dim > 256) {
+      value_error("head_dim (last dim of q and the caches) must be a multiple of 8 in [8, 256], got " +
+                  std::to_string(head_dim) + ": zero-pad q and the caches (fa2.attention_with_kvcache does)");
+    }
+    check_loadable("q", q);
+    if (softmax_scale.has_value() && !(std::isfinite(*softmax_scale) && *softmax_scale >= FLT_MIN)) {
+      value_error("softmax_scale must be a positive finite number (at least 1.18e-38, float's smallest normal) or "
+                  "None (head_dim ** -0.5), got " + str(*softmax_scale));
+    }
+  }
+  if (batch > 65535 || q.size(2) > 65535) {
+    value_error("at most 65535 sequences and 65535 heads per call, got q " + str(q.sizes()));
+  }
+  auto check_index = [&](const char* name, const Tensor& t, std::initializer_list<int64_t> shape, const char* what) {
+    if (t.scalar_type() != ScalarType::Int) {
+      type_error(std::string(name) + " must be an int32 tensor, got " + str(t.scalar_type()) + ": pass " + name +
+                 ".to(torch.int32)");
+    }
+    if (!t.sizes().equals(Ints(shape)) && !(t.dim() == 2 && shape.size() == 2 && t.size(0) == shape.begin()[0])) {
+      value_error(std::string(name) + " must be " + what + ", got shape " + str(t.sizes()));
+    }
+    if (!t.is_contiguous()) value_error(std::string(name) + " must be contiguous: pass " + name + ".contiguous()");
+  };
+  if (cache_seqlens) {
+    check_index("cache_seqlens", *cache_seqlens, {batch}, "(batch,): the rows each sequence's cache holds");
+  }
+  if (cache_batch_idx) {
+    if (block_table) {
+      value_error("cache_batch_idx and block_table cannot be combined: a paged cache names each sequence's pages in "
+                  "block_table, so drop cache_batch_idx");
+    }
+    check_index("cache_batch_idx", *cache_batch_idx, {batch}, "(batch,): the cache entry of each sequence");
+  }
+  if (block_table) {
+    check_index("block_table", *block_table, {batch, -1}, "(batch, max_pages): each sequence's page ids");
+    const int64_t page_size = k_cache.size(1);
+    if (page_size % kPageRows != 0 || page_size == 0) {
+      value_error("a paged cache's page_size (k_cache.shape[1] with block_table) must be a positive multiple of " +
+                  std::to_string(kPageRows) + ", got " + std::to_string(page_size));
+    }
+  } else if (!cache_batch_idx && k_cache.size(0) != batch) {
+    value_error("k_cache must have one entry per sequence (batch=" + std::to_string(batch) + ") or cache_batch_idx to "
+                "pick them, got k_cache of shape " + str(k_cache.sizes()));
+  }
+  const int64_t capacity = block_table ? block_table->size(1) * k_cache.size(1) : k_cache.size(1);
+  if (capacity > 2147483647) value_error("a cache may hold at most 2**31 - 1 rows, got " + std::to_string(capacity));
+  if (!cache_seqlens && cache_seqlen > capacity) {
+    value_error("cache_seqlens (" + std::to_string(cache_seqlen) + ") must not exceed the cache's capacity (" +
+                std::to_string(capacity) + " rows)");
+  }
+  if (k_new && !cache_seqlens && cache_seqlen + k_new->size(1) > capacity) {
+    value_error("appending " + std::to_string(k_new->size(1)) + " rows after cache_seqlens=" +
+                std::to_string(cache_seqlen) + " overflows the cache's capacity (" + std::to_string(capacity) + " rows)");
+  }
+}
+
+std::tuple<Tensor, Tensor> fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, std::optional<Tensor> k_new,
+                                       std::optional<Tensor> v_new, std::optional<Tensor> cache_seqlens,
+                                       int64_t cache_seqlen, std::optional<Tensor> cache_batch_idx,
+                                       std::optional<Tensor> block_table, std::optional<double> softmax_scale,
+                                       bool causal, int64_t window_left, int64_t window_right, double softcap,
+                                       std::optional<Tensor> alibi_slopes, std::optional<Tensor> sink,
+                                       int64_t num_splits) {
+  check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_seqlen, cache_batch_idx, block_table,
+                softmax_scale);
+  const Features f{window_left, window_right, softcap, opt(alibi_slopes), 0.0, nullptr, opt(sink)};
+  check_features(f, causal, q, q.size(0));
+  if (num_splits < 0 || num_splits > kMaxSplits) {
+    value_error("num_splits must be 0 (chosen by fa2) or a split count in [1, " + std::to_string(kMaxSplits) +
+                "], got " + std::to_string(num_splits));
+  }
+  if (!recording()) {
+    check_devices({{"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"k", opt(k_new)}, {"v", opt(v_new)},
+                   {"cache_seqlens", opt(cache_seqlens)}, {"cache_batch_idx", opt(cache_batch_idx)},
+                   {"block_table", opt(block_table)}, {"sink", f.sink}, {"alibi_slopes", f.alibi_slopes}});
+  }
+  const DType dtype = to_dtype(q.scalar_type());
+  const int kernel_dim = pick_head_dim(kFwdInstances, int(q.size(-1)), dtype, "fwd");
+  if (block_table && !reads_pages(kernel_dim)) {
+    value_error("a paged KV cache (block_table) needs head_dim 64, 128, 224 or 256 (the kernels with a 64-row tile), "
+                "got " + std::to_string(q.size(-1)) + ": use a cache with one entry per sequence (cache_batch_idx "
+                "picks them), or zero-pad the head dim");
+  }
+  std::optional<torch::stable::accelerator::DeviceGuard> guard;
+  if (q.is_cuda()) guard.emplace(q.get_device_index());
+  Tensor out = new_like(q);
+  Tensor lse = new_tensor(q, {q.size(0), q.size(2), q.size(1)}, ScalarType::Float);
+
+  KvCache cache;
+  cache.seqlens = cache_seqlens ? static_cast<const int*>(cache_seqlens->data_ptr()) : nullptr;
+  cache.appended = k_new ? int(k_new->size(1)) : 0;
+  cache.capacity = int(block_table ? block_table->size(1) * k_cache.size(1) : k_cache.size(1));
+  cache.seqlen = cache.seqlens ? 0 : cache_seqlen < 0 ? cache.capacity - cache.appended : int(cache_seqlen);
+  cache.batch_index = cache_batch_idx ? static_cast<const int*>(cache_batch_idx->data_ptr()) : nullptr;
+  cache.cache_batch = int(k_cache.size(0));
+  if (block_table) {
+    cache.block_table = static_cast<const int*>(block_table->data_ptr());
+    cache.block_table_stride = int(block_table->size(1));
+    cache.page_size = int(k_cache.size(1));
+  }
+  if (k_new && k_new->numel() > 0) {
+    KvAppendParams a;
+    a.k_new = k_new->data_ptr(), a.v_new = v_new->data_ptr();
+    a.k_new_stride = strides_of(*k_new), a.v_new_stride = strides_of(*v_new);
+    a.k_cache = k_cache.data_ptr(), a.v_cache = v_cache.data_ptr();
+    a.k_cache_stride = strides_of(k_cache), a.v_cache_stride = strides_of(v_cache);
+    a.batch = int(q.size(0)), a.seqlen_new = int(k_new->size(1)), a.nheads_k = int(k_cache.size(2));
+    a.row_bytes = int(k_cache.size(3)) * 2;
+    a.cache = cache;
+    launch_kv_append(a, q.get_device_index());
+  }
+  // Without cache_seqlens every sequence sees the same rows: seqlen_k is that count, as for a plain forward.
+  const int seqlen_k = cache.seqlens ? cache.capacity : std::min(cache.seqlen + cache.appended, cache.capacity);
+  const Sizes s{int(q.size(0)), int(q.size(1)), seqlen_k};
+  if (q.numel() == 0 || s.seqlen_q == 0) return {out, lse};
+  if (seqlen_k == 0 && f.sink == nullptr) {  // no keys: every row is empty
+    torch::stable::zero_(out);
+    torch::stable::fill_(lse, -INFINITY);
+    return {out, lse};
+  }
+  FwdParams p;
+  fill_common(p, q, k_cache, v_cache, out, lse, s, softmax_scale, causal, f, nullptr, nullptr);
+  p.cache = cache;
+  launch_forward(p, q, out, lse, dtype, kernel_dim, int(num_splits));
   return {out, lse};
 }
 
@@ -743,7 +965,6 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
 
 // ------------------------------------------------------------------------------------------- the ops
 // Argument order and defaults: the schemas in python/fa2/ops.py.
-const Tensor* opt(const std::optional<Tensor>& t) { return t ? &*t : nullptr; }
 
 std::tuple<Tensor, Tensor> fwd(Tensor q, Tensor k, Tensor v, std::optional<double> softmax_scale, bool causal,
                                bool /*deterministic: the backward's, saved by autograd*/, int64_t window_left,
@@ -821,4 +1042,5 @@ STABLE_TORCH_LIBRARY_IMPL(fa2, CompositeExplicitAutograd, m) {
   m.impl("bwd_varlen", TORCH_BOX(&fa2::host::bwd_varlen));
   m.impl("fwd_out", TORCH_BOX(&fa2::host::fwd_out));
   m.impl("bwd_out", TORCH_BOX(&fa2::host::bwd_out));
+  m.impl("fwd_kvcache", TORCH_BOX(&fa2::host::fwd_kvcache));
 }

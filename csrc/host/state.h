@@ -33,9 +33,10 @@ inline TestOverrides g_overrides;
 
 // A launch the ops would have made, in record mode: its kind and parameters.
 struct RecordedLaunch {
-  std::string kind;  // "fwd" or "bwd"
+  std::string kind;  // "fwd", "bwd" or "kv_append"
   BwdParams params;  // the forward's fields for "fwd"
   std::string dtype;
+  KvAppendParams append = {};  // "kv_append"'s
 };
 inline std::mutex g_recorded_mutex;
 inline std::vector<RecordedLaunch> g_recorded;

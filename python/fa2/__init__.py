@@ -4,6 +4,7 @@
     out, lse = fa2.fwd(q, k, v, causal=True)           # low level
     dq, dk, dv = fa2.bwd(dout, q, k, v, out, lse, causal=True)
     out = fa2.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)  # packed
+    out = fa2.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)  # decode: append, then attend
     from fa2 import flash_attn_func                    # drop-in for flash-attn 2.x
     fa2.hf.register()                                  # attn_implementation="fa2" in transformers
     fa2.sdpa.activate()                                # fa2 behind F.scaled_dot_product_attention
@@ -16,13 +17,15 @@ import torch  # noqa: F401  (first: fa2._C links libtorch, which torch's import 
 
 from fa2 import reference
 from fa2.integrations import hf, sdpa  # sdpa's import registers "fa2" with torch's flash-attention registry
-from fa2.integrations.flash_attn import flash_attn_func, flash_attn_varlen_func
+from fa2.integrations.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from fa2.interface import build_info, bwd, bwd_varlen, fwd, fwd_varlen
+from fa2.kvcache import attention_with_kvcache
 from fa2.ops import attention, attention_varlen
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_varlen", "build_info", "bwd", "bwd_varlen", "flash_attn_func",
-           "flash_attn_varlen_func", "fwd", "fwd_varlen", "hf", "reference", "sdpa", "__version__"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "build_info", "bwd", "bwd_varlen",
+           "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "fwd", "fwd_varlen", "hf",
+           "reference", "sdpa", "__version__"]
 
 
 def _warn_if_another_distribution_shares_this_directory() -> None:

@@ -46,6 +46,12 @@ _SCHEMAS = {
     "bwd_out": "bwd_out(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
                "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, "
                f"bool deterministic, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, {_FEATURES}) -> ()",
+    # fa2.attention_with_kvcache: k and v (the new rows, or None) are written into the caches at cache_seqlens first.
+    # cache_seqlens None: cache_seqlen rows for every sequence (-1: the whole capacity less the new rows).
+    "fwd_kvcache": "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
+                   "Tensor? cache_seqlens, int cache_seqlen, Tensor? cache_batch_idx, Tensor? block_table, "
+                   "float? softmax_scale, bool causal, int window_left=-1, int window_right=-1, float softcap=0.0, "
+                   "Tensor? alibi_slopes=None, Tensor? sink=None, int num_splits=0) -> (Tensor, Tensor)",
 }
 for _schema in _SCHEMAS.values():
     _LIB.define(_schema)
@@ -92,12 +98,13 @@ def _fwd_out_fake(q, k, v, *args):
 
 
 for _name, _fake in (("fwd", _fwd_fake), ("fwd_varlen", _fwd_fake), ("bwd", _bwd_fake), ("bwd_varlen", _bwd_fake),
-                     ("fwd_out", _fwd_out_fake), ("bwd_out", lambda *args: None)):
+                     ("fwd_out", _fwd_out_fake), ("bwd_out", lambda *args: None), ("fwd_kvcache", _fwd_fake)):
     torch.library.register_fake(f"fa2::{_name}", _fake, lib=_LIB)
 
 FWD, BWD = torch.ops.fa2.fwd.default, torch.ops.fa2.bwd.default
 FWD_VARLEN, BWD_VARLEN = torch.ops.fa2.fwd_varlen.default, torch.ops.fa2.bwd_varlen.default
 FWD_OUT, BWD_OUT = torch.ops.fa2.fwd_out.default, torch.ops.fa2.bwd_out.default
+FWD_KVCACHE = torch.ops.fa2.fwd_kvcache.default
 
 _TYPE_ERROR = "TypeError: "  # csrc/host/ops.cpp's mark for a TypeError (C++ exceptions reach Python as ValueError)
 _below_autograd = torch._C._AutoDispatchBelowAutograd
@@ -114,6 +121,19 @@ def call(op, *args):
     try:
         with _below_autograd():
             return op(*args)
+    except ValueError as e:
+        error = _typed(e)
+        if error is e:
+            raise
+        raise error from None
+
+
+def call_traced(op, *args):
+    """op(*args) through the dispatcher as it is (torch.compile, fake-tensor or other dispatch modes, subclasses),
+    with its checks' TypeErrors as TypeError: in a compiled graph they arrive as ValueErrors whose message starts with
+    "TypeError: "."""
+    try:
+        return op(*args)
     except ValueError as e:
         error = _typed(e)
         if error is e:
@@ -297,15 +317,8 @@ def _attend(op, q, k, v, *args) -> Tensor:
             return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), *args)
         return call(op, q, k, v, *args)[0]
     # torch.compile (one opaque node, traced through its fake), fake-tensor or other dispatch modes, subclasses:
-    # the op with its registered autograd. In a compiled graph the op's checks run past this layer, so a TypeError
-    # of theirs arrives as a ValueError whose message starts with "TypeError: ".
-    try:
-        return op(q, k, v, *args)[0]
-    except ValueError as e:
-        error = _typed(e)
-        if error is e:
-            raise
-        raise error from None
+    # the op with its registered autograd.
+    return call_traced(op, q, k, v, *args)[0]
 
 
 def attend_with_lse(op, q, k, v, *args) -> Tuple[Tensor, Tensor]:
@@ -319,13 +332,7 @@ def attend_with_lse(op, q, k, v, *args) -> Tuple[Tensor, Tensor]:
     if torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")
         q, k, v = (t.to(dtype) if t.is_cuda and t.is_floating_point() else t for t in (q, k, v))
-    try:
-        out, lse = op(q, k, v, *args)
-    except ValueError as e:
-        error = _typed(e)
-        if error is e:
-            raise
-        raise error from None
+    out, lse = call_traced(op, q, k, v, *args)
     return out, lse.detach()
 
 

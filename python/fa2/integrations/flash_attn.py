@@ -1,6 +1,7 @@
-"""flash-attn 2.x's `flash_attn_func` and `flash_attn_varlen_func` on fa2, for code written against flash-attn:
+"""flash-attn 2.x's `flash_attn_func`, `flash_attn_varlen_func` and `flash_attn_with_kvcache` on fa2, for code written
+against flash-attn:
 
-    from fa2 import flash_attn_func, flash_attn_varlen_func   # was: from flash_attn import ...
+    from fa2 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache   # was: from flash_attn import
 
 Argument names, order, defaults and return values are those of flash-attn 2.8's flash_attn/flash_attn_interface.py.
 Options fa2 does not implement raise NotImplementedError naming the option, before any other check.
@@ -16,12 +17,16 @@ from __future__ import annotations
 import torch
 
 from fa2 import reference
+from fa2.kvcache import attention_with_kvcache
 from fa2.ops import (FWD, FWD_VARLEN, attend_with_lse, attention, attention_varlen, check_max_seqlens, check_tensors,
                      dropout_state, slopes, window)
 
 # Each option fa2 lacks: (name, its "off" test, what it would have done).
 _UNSUPPORTED = (
-    ("block_table", lambda x: x is None, "a paged KV cache"),
+    ("block_table", lambda x: x is None, "a paged KV cache outside flash_attn_with_kvcache"),
+    ("rotary_cos", lambda x: x is None, "rotary embedding inside the attention call (apply it to q and k first)"),
+    ("rotary_sin", lambda x: x is None, "rotary embedding inside the attention call (apply it to q and k first)"),
+    ("cache_leftpad", lambda x: x is None, "left-padded KV caches"),
 )
 
 
@@ -86,6 +91,22 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                  for b in range(len(bq) - 1)]
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
     return out, lse, _dropped_probs(sequences, options, dropout_p, state, max_seqlen_q, max_seqlen_k)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """fa2.attention_with_kvcache under flash-attn's signature: k and v, if given, are appended to the caches in
+    place at cache_seqlens, then q attends to each sequence's cache. Returns out, or (out, softmax_lse) with
+    return_softmax_lse. Rotary embedding (rotary_cos/rotary_sin) and cache_leftpad raise NotImplementedError;
+    paged caches take page sizes that are multiples of 64 (flash-attn's 256 among them)."""
+    _reject_unsupported(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad)
+    return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                  cache_batch_idx=cache_batch_idx, block_table=block_table, causal=causal,
+                                  softmax_scale=softmax_scale, window_size=_window(window_size, causal),
+                                  softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
+                                  return_lse=return_softmax_lse)
 
 
 def _slopes_of(alibi_slopes, b):

@@ -1,0 +1,13 @@
+// The KV-cache append (kv_append.h), one instantiation for every head dim and dtype: it moves bytes.
+#include "fa2/kv_append.h"
+#include "fa2/launch.h"
+
+namespace fa2 {
+
+void run_kv_append(const KvAppendParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.seqlen_new == 0) return;
+  kv_append_kernel<<<dim3(p.seqlen_new, p.batch), kAppendThreads, 0, stream>>>(p);
+  check_cuda(cudaGetLastError(), "kv append launch");
+}
+
+}  // namespace fa2
