@@ -631,10 +631,10 @@ bool reads_pages(int kernel_dim) {
   }
 }
 
-// Split-KV's count (config.h: fwd_num_splits), or the test override's, or the caller's (`requested` > 0). Only the kLogits instances split, so a call
-// with dropout, or one that takes the narrow tile (short d256 sequences, d224/d256 on 99 KB GPUs), runs whole,
-// override or not. In record mode (CPU tests) there is no GPU: the tile is chosen for the test's smem_limit (or an
-// unlimited block), and no call is split unless the override says so.
+// Split-KV's count (config.h: fwd_num_splits), or the test override's, or the caller's (`requested` > 0). Only the
+// kLogits instances split, so a call with dropout, or one that takes the narrow tile (short d256 sequences, d224/d256
+// on 99 KB GPUs), runs whole, override or not. In record mode (CPU tests) there is no GPU: the tile is chosen for the
+// test's smem_limit (or an unlimited block), and no call is split unless the override says so.
 int num_splits(const FwdParams& p, int kernel_dim, int requested) {
   if (p.rng_state != nullptr) return 1;
   const int override_splits = g_overrides.num_splits.load(std::memory_order_relaxed);

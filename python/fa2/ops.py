@@ -116,18 +116,6 @@ def _typed(e: ValueError) -> Exception:
     return TypeError(message[len(_TYPE_ERROR):]) if message.startswith(_TYPE_ERROR) else e
 
 
-def call(op, *args):
-    """op(*args) below the autograd key (eager: the caller does autograd), with C++'s TypeErrors as TypeError."""
-    try:
-        with _below_autograd():
-            return op(*args)
-    except ValueError as e:
-        error = _typed(e)
-        if error is e:
-            raise
-        raise error from None
-
-
 def call_traced(op, *args):
     """op(*args) through the dispatcher as it is (torch.compile, fake-tensor or other dispatch modes, subclasses),
     with its checks' TypeErrors as TypeError: in a compiled graph they arrive as ValueErrors whose message starts with
@@ -139,6 +127,12 @@ def call_traced(op, *args):
         if error is e:
             raise
         raise error from None
+
+
+def call(op, *args):
+    """op(*args) below the autograd key (eager: the caller does autograd), with C++'s TypeErrors as TypeError."""
+    with _below_autograd():
+        return call_traced(op, *args)
 
 
 def check_tensors(**tensors) -> None:
