@@ -51,6 +51,5 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optio
     left, right = ops.window(window_size)
     args = (q, k_cache, v_cache, k, v, seqlens, held, cache_batch_idx, block_table, softmax_scale, bool(causal), left,
             right, float(softcap), ops.slopes(alibi_slopes), ops.sink_logits(sink), int(num_splits))
-    eager = type(q) is Tensor and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
-    out, lse = (ops.call if eager else ops.call_traced)(ops.FWD_KVCACHE, *args)
+    out, lse = (ops.call if ops.runs_eagerly(q) else ops.call_traced)(ops.FWD_KVCACHE, *args)
     return (out, lse) if return_lse else out

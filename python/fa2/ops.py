@@ -292,6 +292,14 @@ _apply = super(torch.autograd.Function, _Attention).apply
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
+def runs_eagerly(*tensors) -> bool:
+    """Whether a call on these tensors can take the eager path (call, or the Python autograd Function): plain
+    tensors, outside torch.compile's tracing and any dispatch mode. Else the op goes through the dispatcher
+    (call_traced), traced through its fake."""
+    return (all(type(t) is Tensor for t in tensors) and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0)
+
+
 def _attend(op, q, k, v, *args) -> Tensor:
     head_dim = unaligned_head_dim(q, k, v)
     if head_dim:  # zero-padded; softmax_scale (args[-10] of both ops) from the true head dim
@@ -302,8 +310,7 @@ def _attend(op, q, k, v, *args) -> Tensor:
         q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.is_cuda and t.is_floating_point() else t
                    for t in (q, k, v))
     sink = args[-1]
-    if type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and not torch.compiler.is_compiling() \
-            and torch._C._len_torch_dispatch_stack() == 0:
+    if runs_eagerly(q, k, v):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (sink is not None and sink.requires_grad)):
             if torch._C._are_functorch_transforms_active():

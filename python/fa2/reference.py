@@ -275,23 +275,26 @@ def flash_bwd_tiled(dout, q, k, v, out, lse, *, causal: bool = False, softmax_sc
     return dq.transpose(1, 2).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
 
 
-def kvcache_rows(cache: torch.Tensor, b: int, count: int, *, cache_batch_idx=None, block_table=None) -> torch.Tensor:
-    """Rows [0, count) of sequence b's KV cache, (count, nheads_k, head_dim): entry cache_batch_idx[b] (or b) of a
-    (batch_cache, capacity, nheads_k, head_dim) cache, or, paged, row r in page block_table[b, r // page_size] of a
-    (num_pages, page_size, nheads_k, head_dim) one, at r % page_size."""
+def kvcache_index(cache: torch.Tensor, b: int, rows: torch.Tensor, *, cache_batch_idx=None, block_table=None):
+    """Where rows `rows` of sequence b's KV cache are, as an index into the cache tensor: entry cache_batch_idx[b] (or
+    b) of a (batch_cache, capacity, nheads_k, head_dim) cache, or, paged, row r in page block_table[b, r // page_size]
+    of a (num_pages, page_size, nheads_k, head_dim) one, at r % page_size."""
     if block_table is None:
-        entry = b if cache_batch_idx is None else int(cache_batch_idx[b])
-        return cache[entry, :count]
+        return b if cache_batch_idx is None else int(cache_batch_idx[b]), rows
     page_size = cache.shape[1]
+    return block_table[b].to(cache.device).long()[rows // page_size], rows % page_size
+
+
+def kvcache_rows(cache: torch.Tensor, b: int, count: int, *, cache_batch_idx=None, block_table=None) -> torch.Tensor:
+    """Rows [0, count) of sequence b's KV cache, (count, nheads_k, head_dim) (kvcache_index's layout)."""
     rows = torch.arange(count, device=cache.device)
-    pages = block_table[b].to(cache.device).long()[rows // page_size]
-    return cache[pages, rows % page_size]
+    return cache[kvcache_index(cache, b, rows, cache_batch_idx=cache_batch_idx, block_table=block_table)]
 
 
 def attention_with_kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
                                block_table=None, **options):
     """fa2.attention_with_kvcache as a formula: the new rows k, v (batch, seqlen_new, nheads_k, head_dim), if any, are
-    written to rows cache_seqlens[b] + s of each sequence's cache (kvcache_rows' layout), then sequence b's queries
+    written to rows cache_seqlens[b] + s of each sequence's cache (kvcache_index's layout), then sequence b's queries
     attend to its first cache_seqlens[b] + seqlen_new rows as attention_ref (options: causal, softmax_scale, window,
     softcap, alibi_slopes, sink) would. cache_seqlens: an int for every sequence, a (batch,) tensor, or None (the
     whole capacity). Returns (out, lse, k_cache, v_cache): the caches as new tensors, the inputs unchanged."""
@@ -309,13 +312,8 @@ def attention_with_kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, cache_seq
     for b in range(batch):
         if seqlen_new:
             rows = torch.arange(held[b], held[b] + seqlen_new, device=k_cache.device)
-            if block_table is None:
-                entry = b if cache_batch_idx is None else int(cache_batch_idx[b])
-                k_cache[entry, rows], v_cache[entry, rows] = k[b], v[b]
-            else:
-                page_size = k_cache.shape[1]
-                pages = block_table[b].to(k_cache.device).long()[rows // page_size]
-                k_cache[pages, rows % page_size], v_cache[pages, rows % page_size] = k[b], v[b]
+            where_rows = kvcache_index(k_cache, b, rows, **where)
+            k_cache[where_rows], v_cache[where_rows] = k[b], v[b]
         count = held[b] + seqlen_new
         keys = kvcache_rows(k_cache, b, count, **where)[None]
         values = kvcache_rows(v_cache, b, count, **where)[None]
