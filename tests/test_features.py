@@ -317,6 +317,26 @@ def test_alibi_forward_in_every_loop_window_and_split(d, seqlens, variant, requi
     check_forward(out, lse, q, k, v, f"d{d} {sq}x{sk} {variant}", **options)
 
 
+@gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_alibi_forward_from_steep_to_shallow_slopes(d, dtype, causal, require_kernel):
+    """Slopes from 4 (a key's bias falls by 4 per position: each row weighs its few nearest keys) through 1.5, 1.0 and
+    0.9 (steeper than any geometric ALiBi slope) to 1/256 (nearly flat), with scaled scores of standard deviation 2.5,
+    so that a row's max lies a few keys from its diagonal or anywhere: a max that misses the bias, or a split-form tile
+    that adds it at the wrong magnitude, shows in out and lse."""
+    require_kernel("fwd", d, dtype)
+    b, s, h = 2, 700, 5
+    q, k, v = randn(b, s, h, d, dtype=dtype), randn(b, s, h, d, dtype=dtype), randn(b, s, h, d, dtype=dtype)
+    q = (q * 2.5).to(dtype)
+    options = _options(causal, (-1, -1), 0.0, torch.tensor([4.0, 1.5, 1.0, 0.9, 1 / 256], device="cuda"))
+    out = poison(torch.empty_like(q))
+    _, lse = fa2.fwd(q, k, v, out=out, **options)
+    assert_written(out, name="out")
+    check_forward(out, lse, q, k, v, f"d{d} {dtype} causal={causal}", **options)
+
+
 # ------------------------------------------------------------------------------------------------ dropout
 DROPOUT_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, window_size, softcap, alibi, sink)
     (2, 300, 257, 4, 2, 64, False, (-1, -1), 0.0, None, False),

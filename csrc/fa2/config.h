@@ -58,8 +58,8 @@ template <int kHeadDim> struct FwdDecodeConfig {
 };
 // A paged KV cache (params.h: KvCache) is read by the 64-row tiles alone, the decode and narrow ones: their instances
 // carry the page lookups, and the main tile's kLogits loop, which softcap, ALiBi and windows run, is kept free of them
-// (any runtime generality in that loop has cost it time: docs/tuning.md#paged-kv). Page sizes are multiples of kPageRows, so that a key block lies in one page (fwd_launch.h
-// asserts every kBlockN divides it).
+// (any runtime generality in that loop has cost it time: docs/tuning.md#paged-kv). Page sizes are multiples of
+// kPageRows, so that a key block lies in one page (fwd_launch.h asserts every kBlockN divides it).
 constexpr int kPagedTileRows = 64, kPageRows = 64;
 template <int kHeadDim>
 constexpr bool fwd_reads_pages = FwdDecodeConfig<kHeadDim>::kEnabled || FwdNarrowConfig<kHeadDim>::kEnabled;

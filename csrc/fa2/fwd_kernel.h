@@ -179,28 +179,33 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   Tensor tKgKn = tKgK(_, _, _, max(n_block_end - 1, 0));
   Tensor tVgVn = tVgV(_, _, _, max(n_block_end - 1, 0));
   const auto k_block_step = stride<3>(tKgK), v_block_step = stride<3>(tVgV);
-  // A paged KV cache: a key block's rows lie in one page (page sizes are multiples of kPageRows), at cache_row_offset
-  // from page 0's rows, where mK and mV start; the running tiles step from one block's page to the next one's. Only
-  // in the 64-row tiles' instances, which the launch routes paged calls to (config.h: fwd_tile_for).
+  // A paged KV cache: a key block's rows lie in one page (page sizes are multiples of kPageRows), at its PageCursor's
+  // offset from page 0's rows, where mK and mV start; the running tiles step from one block's page to the next one's.
+  // Only in the 64-row tiles' instances, which the launch routes paged calls to (config.h: fwd_tile_for).
   constexpr bool kPagedKV = kBlockM == kPagedTileRows && kTransforms != ScoreTransforms::kNone;
   const bool paged = kPagedKV && p.cache.block_table != nullptr;
+  // The page of the block the K tile reads next; V's steps with it where both load together (two stages), and has a
+  // cursor of its own in the one-stage loop, where V runs a block behind.
+  PageCursor<kBlockN> k_page, v_page;
   if (paged) {
-    const int first_row = max(n_block_end - 1, 0) * kBlockN;
-    tKgKn.data() = tKgK(_, _, _, 0).data() + cache_row_offset(p.cache, p.k_stride, batch, first_row);
-    tVgVn.data() = tVgV(_, _, _, 0).data() + cache_row_offset(p.cache, p.v_stride, batch, first_row);
+    k_page = v_page = PageCursor<kBlockN>(p.cache, batch, max(n_block_end - 1, 0));
+    tKgKn.data() = tKgK(_, _, _, 0).data() + k_page.offset(p.k_stride);
+    tVgVn.data() = tVgV(_, _, _, 0).data() + v_page.offset(p.v_stride);
   }
+  // A cursor moved from block n to n - 1 (paged, n > 0); returns where it was.
+  auto step_page = [&](PageCursor<kBlockN>& cursor, int n) {
+    const PageCursor<kBlockN> from = cursor;
+    if (paged && n > 0) cursor.step_down(p.cache, batch);
+    return from;
+  };
   // Block n of K or V into buffer `stage`, rows >= max_row zero-filled (only where kCheckRows); then the source tile
-  // steps to block n - 1.
-  auto load_next = [&](auto check_rows, auto& tXgXn, auto block_step, Strides const& st, auto const& tXsX, int stage,
-                       int max_row, int n) {
+  // steps to block n - 1 (by one block, or from page `from`'s block to page `to`'s).
+  using Page = PageCursor<kBlockN>;
+  auto load_next = [&](auto check_rows, auto& tXgXn, auto block_step, Strides const& st, Page const& from,
+                       Page const& to, auto const& tXsX, int stage, int max_row) {
     copy_tile<decltype(check_rows)::value>(gmem_copy, tXgXn, make_tensor(tXsX.data() + stage * kKVElems, tXsX.layout()),
                                            tKcK, max_row, p.head_dim);
-    if (!paged) {
-      tXgXn.data() = tXgXn.data() + (-block_step);
-    } else if (n > 0) {
-      tXgXn.data() = tXgXn.data() + (cache_row_offset(p.cache, st, batch, (n - 1) * kBlockN) -
-                                     cache_row_offset(p.cache, st, batch, n * kBlockN));
-    }
+    tXgXn.data() = tXgXn.data() + (paged ? to.offset(st) - from.offset(st) : -block_step);
   };
   constexpr std::true_type kCut{};      // the block seqlen_k may cut
   constexpr std::false_type kWhole{};   // any other block
@@ -210,8 +215,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   if (n_block_end > n_block_begin) {
     copy_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, seq.seqlen_q - row_offset, p.head_dim);
     const int last_rows = seq.seqlen_k - (n_block_end - 1) * kBlockN;
-    load_next(kCut, tKgKn, k_block_step, p.k_stride, tKsK, 0, last_rows, n_block_end - 1);
-    if constexpr (kStages == 2) load_next(kCut, tVgVn, v_block_step, p.v_stride, tVsV, 0, last_rows, n_block_end - 1);
+    const auto from = step_page(k_page, n_block_end - 1);
+    load_next(kCut, tKgKn, k_block_step, p.k_stride, from, k_page, tKsK, 0, last_rows);
+    if constexpr (kStages == 2) load_next(kCut, tVgVn, v_block_step, p.v_stride, from, k_page, tVsV, 0, last_rows);
     cp_async_fence();
   }
   if constexpr (kStages == 2) {
@@ -224,8 +230,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
       cp_async_wait<0>();
       __syncthreads();  // K[n], V[n] landed; every warp is done with block n+1, whose buffers are refilled now
       if (n_block > n_block_begin) {
-        load_next(kWhole, tKgKn, k_block_step, p.k_stride, tKsK, stage ^ 1, kBlockN, n_block - 1);
-        load_next(kWhole, tVgVn, v_block_step, p.v_stride, tVsV, stage ^ 1, kBlockN, n_block - 1);
+        const auto from = step_page(k_page, n_block - 1);
+        load_next(kWhole, tKgKn, k_block_step, p.k_stride, from, k_page, tKsK, stage ^ 1, kBlockN);
+        load_next(kWhole, tVgVn, v_block_step, p.v_stride, from, k_page, tVsV, stage ^ 1, kBlockN);
         cp_async_fence();
       }
       s_gemm(acc_s, n_block, stage * kKVElems);
@@ -249,13 +256,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
       Tensor acc_s = partition_fragment_C(tiled_mma, BlockS{});
       cp_async_wait<0>();
       __syncthreads();  // K[n] (and Q) landed; all warps finished O += P V[n+1], so sV may be refilled
-      load_next(kCut, tVgVn, v_block_step, p.v_stride, tVsV, 0, seq.seqlen_k - n_block * kBlockN, n_block);
+      const auto v_from = step_page(v_page, n_block);
+      load_next(kCut, tVgVn, v_block_step, p.v_stride, v_from, v_page, tVsV, 0, seq.seqlen_k - n_block * kBlockN);
       cp_async_fence();
       s_gemm(acc_s, n_block, 0);
       cp_async_wait<0>();
       __syncthreads();  // V[n] landed; all warps finished S = Q K[n]^T, so sK may be refilled
       if (n_block > n_block_begin) {
-        load_next(kWhole, tKgKn, k_block_step, p.k_stride, tKsK, 0, kBlockN, n_block - 1);
+        const auto k_from = step_page(k_page, n_block - 1);
+        load_next(kWhole, tKgKn, k_block_step, p.k_stride, k_from, k_page, tKsK, 0, kBlockN);
         cp_async_fence();
       }
       softmax_pv(acc_s, n_block, 0);

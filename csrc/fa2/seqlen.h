@@ -22,6 +22,40 @@ __device__ __forceinline__ int64_t cache_row_offset(KvCache const& c, Strides co
   return page * st.batch + (row % c.page_size) * st.row;
 }
 
+// The page of a key block that a paged cache's running source tile (fwd_kernel.h) is on, stepped one block down at
+// a time. The block table is read once per page, one page ahead: a step that crosses into the next page down has its
+// id in a register already, instead of waiting on a table load (and a division by the page size) before the block's
+// copies can be issued.
+template <int kBlockN>
+struct PageCursor {
+  // The current block: block `block` of the page at index `index` of the sequence's block-table row; `page` and
+  // `next_page` are that entry and the one before it, clamped. The table's address and the page geometry are
+  // recomputed from the parameters when needed, so the cursor holds four registers.
+  int index = 0, block = 0, page = 0, next_page = 0;
+
+  PageCursor() = default;
+  __device__ __forceinline__ PageCursor(KvCache const& c, int batch, int n_block)
+      : index(n_block / blocks_per_page(c)), block(n_block - index * blocks_per_page(c)),
+        page(read(c, batch, index)), next_page(read(c, batch, index - 1)) {}
+
+  static __device__ __forceinline__ int blocks_per_page(KvCache const& c) { return c.page_size / kBlockN; }
+  static __device__ __forceinline__ int read(KvCache const& c, int batch, int i) {
+    return i < 0 ? 0 : min(max(c.block_table[int64_t(batch) * c.block_table_stride + i], 0), c.cache_batch - 1);
+  }
+  // The current block's first row, in elements of a cache tensor with strides st (head 0).
+  __device__ __forceinline__ int64_t offset(Strides const& st) const {
+    return page * st.batch + int64_t(block * kBlockN) * st.row;
+  }
+  __device__ __forceinline__ void step_down(KvCache const& c, int batch) {
+    if (block > 0) {
+      --block;
+    } else {
+      --index, block = blocks_per_page(c) - 1, page = next_page;
+      next_page = read(c, batch, index - 1);
+    }
+  }
+};
+
 struct SeqInfo {
   int seqlen_q, seqlen_k;    // this sequence's lengths
   int kv_batch;              // the batch entry of its k and v: its own, a KV cache's batch_index one, or 0 when paged
@@ -35,7 +69,7 @@ struct SeqInfo {
       if (p.cache.seqlens != nullptr) {
         seqlen_k = int(min(max(int64_t(p.cache.seqlens[batch]) + p.cache.appended, int64_t(0)), int64_t(p.seqlen_k)));
       }
-      // Paged: the kernel adds each key block's page offset (cache_row_offset) to page 0's rows.
+      // Paged: the kernel adds each key block's page offset (PageCursor) to page 0's rows.
       kv_batch = p.cache.block_table != nullptr ? 0 : cache_entry(p.cache, batch);
       q_start = 0, k_start = 0;
       stats_row = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
