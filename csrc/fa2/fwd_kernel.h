@@ -186,21 +186,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   const bool paged = kPagedKV && p.cache.block_table != nullptr;
   // The page of the block the K tile reads next; V's steps with it where both load together (two stages), and has a
   // cursor of its own in the one-stage loop, where V runs a block behind.
-  PageCursor<kBlockN> k_page, v_page;
+  using Page = PageCursor<kBlockN>;
+  Page k_page, v_page;
   if (paged) {
-    k_page = v_page = PageCursor<kBlockN>(p.cache, batch, max(n_block_end - 1, 0));
+    k_page = v_page = Page(p.cache, batch, max(n_block_end - 1, 0));
     tKgKn.data() = tKgK(_, _, _, 0).data() + k_page.offset(p.k_stride);
     tVgVn.data() = tVgV(_, _, _, 0).data() + v_page.offset(p.v_stride);
   }
   // A cursor moved from block n to n - 1 (paged, n > 0); returns where it was.
-  auto step_page = [&](PageCursor<kBlockN>& cursor, int n) {
-    const PageCursor<kBlockN> from = cursor;
+  auto step_page = [&](Page& cursor, int n) {
+    const Page from = cursor;
     if (paged && n > 0) cursor.step_down(p.cache, batch);
     return from;
   };
   // Block n of K or V into buffer `stage`, rows >= max_row zero-filled (only where kCheckRows); then the source tile
   // steps to block n - 1 (by one block, or from page `from`'s block to page `to`'s).
-  using Page = PageCursor<kBlockN>;
   auto load_next = [&](auto check_rows, auto& tXgXn, auto block_step, Strides const& st, Page const& from,
                        Page const& to, auto const& tXsX, int stage, int max_row) {
     copy_tile<decltype(check_rows)::value>(gmem_copy, tXgXn, make_tensor(tXsX.data() + stage * kKVElems, tXsX.layout()),
