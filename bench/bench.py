@@ -16,7 +16,7 @@ batch, nheads, ms, tflops, device, date, bench, plus the mode's own).
 TFLOP/s use FlashAttention-2's formula: fwd 4*B*H*Nq*Nk*d (halved for causal), bwd 2.5x, fwd+bwd 3.5x. Timing is
 triton.testing.do_bench (CUDA events, L2 flushed before every rep, median of 100 ms after 25 ms of warm-up) except
 in host (wall time of back-to-back calls, CUDA-graph replay for the kernels alone). Correctness is the test suite's:
-fa2.reference.attention_ref with tests/tolerance.py's rule, run as a gate on small shapes before timing (--no-check
+fa2.reference.attention_ref with fa2.testing's rule, run as a gate on small shapes before timing (--no-check
 skips it). `MODE --dry-run` lists what would be measured without a GPU. docs/performance.md has the method and the
 results.
 """

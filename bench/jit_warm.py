@@ -1,7 +1,7 @@
 """Fill the CUDA driver's JIT cache for a build without machine code for this GPU (an sm80-only build on an H100:
 every kernel runs as compute_80 PTX that the driver compiles at its first launch, one kernel at a time). One
 process per (head dim, dtype), all at once, each launching every kernel of its translation unit once: the plain,
-A100 and 99 KB configurations (csrc/fa2/config.h), short and long sequences, both dQ paths. Later processes (the
+A100 and 99 KB configurations (csrc/sm80/config.h), short and long sequences, both dQ paths. Later processes (the
 tests) then load the compiled kernels from the cache. Set CUDA_CACHE_MAXSIZE (e.g. 4294967296) so they all fit.
 
     CUDA_CACHE_MAXSIZE=4294967296 python bench/jit_warm.py [--jobs 16]

@@ -6,7 +6,7 @@
 --quick: bf16 only and one packed batch, but every head dim of CASES (each has its own shared-memory schedule:
 d256's backward double-buffers Q/dO on the H100, d96's adds dQ between dV and dK; d256's forward has two tiles).
 Both modes then run every head dim again with a block limited to 99 KB (csrc/CONTRACT.md: set_test_overrides), the
-configurations of consumer GPUs (csrc/fa2/config.h), padded and packed: d256's keeps P and dS in the bytes of V.
+configurations of consumer GPUs (csrc/sm80/config.h), padded and packed: d256's keeps P and dS in the bytes of V.
 The last two cases are split (split-KV, fwd_combine.h). Last, the cases again with a sliding window (blocks skipped
 on both sides, rows that see no key), softcap, ALiBi, dropout and sinks; --features runs only those, then once more
 on 99 KB configurations. First, KV-cache calls (fa2.attention_with_kvcache), paged and not, with index values out of

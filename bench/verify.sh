@@ -1,47 +1,48 @@
 #!/usr/bin/env bash
-# The GPU landing script: one device call that builds, tests, sanitizes and measures the working tree, under a
-# deadline so the call ends inside the device's 10-minute limit. Needs the nvidia-cutlass wheel in .whl/ (or
-# VERIFY_WHEELS) unless CUTLASS is otherwise at hand. docs/performance.md and docs/profiling.md say what each
+# The GPU landing script: run from a checkout on a machine with an NVIDIA GPU, it builds, tests, sanitizes and
+# measures the working tree in one go, under a deadline (VERIFY_SECONDS) so that it ends inside a fixed time budget.
+# Needs the CUDA toolkit, torch, and the nvidia-cutlass wheel in .whl/ (or VERIFY_WHEELS) unless CUTLASS is otherwise
+# at hand (FA2_CUTLASS_DIR or an installed nvidia-cutlass). docs/performance.md and docs/profiling.md say what each
 # measurement means.
 #
-#   run(command="bash bench/verify.sh full", carry=[".whl"])                                   # the landing run
-#   run(command="VERIFY_PREBUILT=.prebuilt/new bash bench/verify.sh full", carry=[".whl", ".prebuilt/new"])
-#   run(command="VERIFY_AB_BASE=.prebuilt/base VERIFY_ARCHS=90 VERIFY_STEPS=ab bash bench/verify.sh full",
-#       carry=[".whl", ".prebuilt/base"])                         # the tree's module against the last landing's
-#   run(command="AB_FLAGS=-DSOME_KNOB=1 bash bench/verify.sh ab", carry=[".whl"])
+#   bash bench/verify.sh full                                              # the landing run
+#   VERIFY_PREBUILT=.prebuilt/new bash bench/verify.sh full                # test and measure a module built earlier
+#   VERIFY_AB_BASE=.prebuilt/base VERIFY_ARCHS=90 VERIFY_STEPS=ab bash bench/verify.sh full
+#                                                                          # the tree's module against the last landing's
+#   AB_FLAGS=-DSOME_KNOB=1 bash bench/verify.sh ab                         # a compile-flag variant against the tree
 #
 # full: the landing run. Builds what users build (all head dims and dtypes) for VERIFY_ARCHS (default "80;90", the
 #       default build; "80" runs the sm80 code on an H100 through the driver's PTX JIT, warmed first by
-#       bench/jit_warm.py), with CMAKE_CUDA_FLAGS=FA2_CUDA_FLAGS, or takes the module carried in VERIFY_PREBUILT (a
-#       folder holding _C*.so or the _C*.so.NN parts a previous call left in $OUT). A module it built is left in $OUT,
-#       split in 15 MB parts (carry them back as the next VERIFY_PREBUILT or VERIFY_AB_BASE). Then the steps named in
+#       bench/jit_warm.py), with CMAKE_CUDA_FLAGS=FA2_CUDA_FLAGS, or takes the module in VERIFY_PREBUILT (a folder
+#       holding _C*.so or the _C*.so.NN parts an earlier run left in $OUT). A module it built is left in $OUT, split
+#       in 15 MB parts (keep them as a later run's VERIFY_PREBUILT or VERIFY_AB_BASE). Then the steps named in
 #       VERIFY_STEPS (default "tests sanitize bench"), in this order:
 #         tests     the GPU test suite with FA2_REQUIRE_GPU=1 (a skip is a failure)
 #         sanitize  compute-sanitizer memcheck and racecheck over bench/sanitize.py
-#         ab        same-run A/B (bench.py ab) of this call's module ("new") against the module carried in
-#                   VERIFY_AB_BASE ("base"): d64/96/128/256 bf16, seqlens 1k/4k/16k, causal and not, fwd and bwd, each
-#                   build checked first with the tests' reference and rule; VERIFY_AB_ARGS replaces those options
+#         ab        same-run A/B (bench.py ab) of this run's module ("new") against the module in VERIFY_AB_BASE
+#                   ("base"): d64/96/128/256 bf16, seqlens 1k/4k/16k, causal and not, fwd and bwd, each build
+#                   checked first with the tests' reference and rule; VERIFY_AB_ARGS replaces those options
 #         bench     bench.py sweep --hdims 64,128 --plot (BENCH_ARGS replaces its options), then as time allows
 #                   --hdims 96,256 --seqlens 512,2048,8192 and bench.py inference (batch 1, 32 heads, d128, 1k-8k)
 #         host      bench.py host --rounds 9 (host µs per eager call, side by side with SDPA-flash)
 #         train     examples/train_gpt.py --attn all, eager and compiled, 200 steps each
 #         varlen    bench.py varlen
 #         decode    bench.py decode (1 query against 1k-32k of KV cache, batch 1/8/64, GQA 32/8, d128)
-#       "none" runs no step (a build only).
+#       "none" runs no step (a build only). VERIFY_SASS_BASE=<dump.json.gz> (bench/sass.py dump of an earlier module)
+#       first compares this module's SASS per kernel with it: identical, identical but for parameter offsets, or not.
 # ab:   A/B (bench.py ab) of trimmed standalone builds (AB_HDIMS, default 64,128; AB_DTYPE bf16; AB_KINDS fwd,bwd,
 #       fwd only halves the build, bwd alone builds fwd too; sm90): the tree as it is ("base") against the tree with
 #       the patch AB_PATCH applied and/or CMAKE_CUDA_FLAGS=AB_FLAGS ("variant"; AB_FLAGS2 adds "variant2"). With
-#       AB_BASE=<module folder> the carried module is the base and only the tree is built ("new"). AB_MODES (bwd),
+#       AB_BASE=<module folder> that module is the base and only the tree is built ("new"). AB_MODES (bwd),
 #       AB_SEQLENS (1024,4096,16384) choose what is timed.
 # ncu:  a trimmed build (NCU_HDIMS, default 64,128; NCU_KINDS, default fwd,bwd; bf16, sm90), then for each NCU_RUNS
 #       entry MODE:HDIMS:SEQLEN (default bwd:64,128:4096) one fa2 and one SDPA-flash call under ncu
 #       (bench/prof.py vs-flash, non-causal) with the sections and stall metrics docs/performance.md compares;
 #       NCU_SOURCE="MODE:HDIM:SEQLEN ..." adds for each a --set full report's per-SASS-instruction page as CSV and its
 #       summary by bench/prof.py source; NCU_RUNS=" " skips the summary runs.
-# VERIFY_SECONDS (default 570) is the deadline. Everything lands in $OUT/verify-<mode>.tgz, re-packed after each
-# step, so a call that runs out of time still returns what it finished (the device returns at most 8 files);
-# summary.txt in it has one line per step (exit code, seconds) and env.txt the machine. Off the device tool, set OUT
-# to a log folder (default ./verify-out).
+# Output: OUT (default ./verify-out) receives verify-<mode>.tgz, re-packed after each step, so a run cut short by its
+# deadline (VERIFY_SECONDS, default 570) or from outside still leaves what it finished; summary.txt in it has one line
+# per step (exit code, seconds) and env.txt the machine. The files that docs cite go to bench/results/ by hand.
 set -uo pipefail
 mode=${1:?usage: verify.sh full|ab|ncu}
 case $mode in full|ab|ncu) ;; ab-bwd) mode=ab ;; *) echo "verify.sh: unknown mode '$mode'"; exit 2 ;; esac
@@ -121,6 +122,12 @@ if [ "$mode" = full ]; then
   jit=$(python3 -c "import fa2, torch; major, minor = torch.cuda.get_device_capability()
 print(int(not any(a // 10 == major and a <= 10 * major + minor for a in fa2.build_info()['archs'])))")
   if [ "$jit" = 1 ]; then timed jit-warm 240 jit.log python3 bench/jit_warm.py --jobs 16; tail -1 "$out/jit.log"; fi
+  if [ -n "${VERIFY_SASS_BASE:-}" ]; then  # this module's SASS per kernel against a dump of the base's (bench/sass.py)
+    newso=$(ls "$newmod"/_C*.so | head -n 1)
+    timed sass-dump 120 sass-dump.log python3 bench/sass.py dump "$newso" "$out/sass-new.json.gz"
+    timed sass-compare 60 sass.txt python3 bench/sass.py compare "$VERIFY_SASS_BASE" "$out/sass-new.json.gz"
+    head -n 40 "$out/sass.txt"
+  fi
   if [[ $steps == *" tests "* ]]; then
     timed tests 300 tests.log env FA2_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider tests
     tail -2 "$out/tests.log"
@@ -130,7 +137,7 @@ print(int(not any(a // 10 == major and a <= 10 * major + minor for a in fa2.buil
     timed racecheck 150 racecheck.log compute-sanitizer --tool racecheck python3 bench/sanitize.py --quick
     tail -qn 1 "$out/memcheck.log" "$out/racecheck.log"
   fi
-  if [[ $steps == *" ab "* ]]; then  # this call's module against the carried base module, in one run
+  if [[ $steps == *" ab "* ]]; then  # this run's module against the base module (VERIFY_AB_BASE), in one run
     if [ -z "${VERIFY_AB_BASE:-}" ]; then
       note "ab: skipped (VERIFY_AB_BASE names no module folder)"; status=1
     else
@@ -213,7 +220,7 @@ else
     src=build/src-variant && rm -rf "$src" && mkdir -p "$src" && cp -r CMakeLists.txt pyproject.toml csrc python "$src"/
     (cd "$src" && patch -p1 < "$OLDPWD/$AB_PATCH") > "$out/patch.log" 2>&1 || { note "patch failed"; cat "$out/patch.log"; exit 2; }
   fi
-  if [ -n "${AB_BASE:-}" ]; then  # the carried module is the base; the tree as it is, built here, is "new"
+  if [ -n "${AB_BASE:-}" ]; then  # the module in AB_BASE is the base; the tree as it is, built here, is "new"
     jobs=16 build new "${AB_FLAGS:-}" "$src"
     builds=base=$AB_BASE,new=build/new
   else

@@ -10,7 +10,7 @@ import fa2
 from fa2.integrations import flash_attn
 from fa2.integrations.flash_attn import flash_attn_func, flash_attn_varlen_func
 from fa2.reference import attention_ref
-from tolerance import assert_close_to_ref
+from fa2.testing import assert_close_to_ref
 
 gpu = pytest.mark.gpu
 REQUIRED = inspect.Parameter.empty

@@ -1,4 +1,4 @@
-"""Kernels with more than one configuration (GPU; csrc/fa2/config.h). The launch picks a configuration from the
+"""Kernels with more than one configuration (GPU; csrc/sm80/config.h). The launch picks a configuration from the
 sequence lengths and from the shared memory a block may use, so on one GPU the test-only override of
 csrc/CONTRACT.md (`smem_limit`) reaches the others: the A100's (163 KB) and the consumer GPUs' (99 KB: RTX 30xx,
 40xx, 50xx). Each configuration must launch what it says, fit the limit it was chosen for, and match the fp64
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import fa2
+from fa2.testing import assert_written, poison
 from test_bwd import check_grads
 from test_fwd import check_fwd, check_out
-from tolerance import assert_written, poison
 
 pytestmark = pytest.mark.gpu
 
@@ -154,7 +154,7 @@ def test_consumer_gpu_configurations_fit_99kb_and_match_reference(d, dtype, caus
 
 @pytest.mark.parametrize("d,smem", [(64, 160 * 1024), (128, 160 * 1024)], ids=["d64", "d128"])
 def test_backward_shared_memory_follows_the_code_that_runs(d, smem, require_kernel, tmp_path):
-    """The d64 and d128 backward give each warp its own 32 KB of dQ staging in sm90 device code only (csrc/fa2/
+    """The d64 and d128 backward give each warp its own 32 KB of dQ staging in sm90 device code only (csrc/sm80/
     dq_accum.h: dq_path). The launch must ask for those bytes exactly where that code runs: in an sm90 build on an
     H100, not in an sm80-only build on the same GPU (PTX JIT), whatever the GPU's compute capability."""
     require_kernel("bwd", d, torch.bfloat16)

@@ -11,8 +11,8 @@ import torch
 
 import fa2
 from fa2 import ops
+from fa2.testing import assert_written, poison
 from test_features import CONSUMER_SMEM, alibi_slopes, check_against_reference, check_forward, randn
-from tolerance import assert_written, poison
 
 gpu = pytest.mark.gpu
 

@@ -9,7 +9,7 @@ import torch
 
 import fa2
 from fa2.reference import attention_ref, dropout_keep_mask
-from tolerance import assert_close_to_ref, assert_lse_close, assert_written, poison
+from fa2.testing import assert_close_to_ref, assert_lse_close, assert_written, poison
 
 gpu = pytest.mark.gpu
 

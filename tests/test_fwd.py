@@ -6,7 +6,7 @@ import torch
 
 import fa2
 from fa2.reference import attention_ref
-from tolerance import assert_close_to_ref, assert_lse_close, assert_written, poison
+from fa2.testing import assert_close_to_ref, assert_lse_close, assert_written, poison
 
 pytestmark = pytest.mark.gpu
 
@@ -126,7 +126,7 @@ def test_softmax_scale_below_float_range_is_refused(require_kernel):
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
 def test_causal_head_groups_change_the_order_not_the_result(varlen, launch_overrides, require_kernel):
-    """Causal grids hand out the heaviest query blocks of `head_group` heads first (csrc/fa2/schedule.h). The
+    """Causal grids hand out the heaviest query blocks of `head_group` heads first (csrc/common/schedule.h). The
     launch picks the group from the GPU's size, so force (csrc/CONTRACT.md: set_test_overrides) every divisor of nheads (GQA 3:1, uneven lengths):
     every block is computed the same whatever the order, so the results must agree bit for bit."""
     require_kernel("fwd", 64, torch.bfloat16)

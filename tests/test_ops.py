@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fa2
 from fa2.reference import attention_ref
-from tolerance import assert_close_to_ref
+from fa2.testing import assert_close_to_ref
 
 gpu = pytest.mark.gpu
 BF16 = torch.bfloat16

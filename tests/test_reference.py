@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fa2.reference import attention_ref, dropout_keep_mask, flash_bwd_tiled, flash_fwd_tiled, philox4x32
-from tolerance import assert_close_to_ref, assert_lse_close
+from fa2.testing import assert_close_to_ref, assert_lse_close
 
 CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim): big seqlens get few heads
     (2, 1, 1, 2, 2, 16),

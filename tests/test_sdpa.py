@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fa2
 from fa2.reference import attention_ref
-from tolerance import assert_close_to_ref
+from fa2.testing import assert_close_to_ref
 
 gpu = pytest.mark.gpu
 BF16 = torch.bfloat16

@@ -49,6 +49,19 @@ PyObject* build_info(PyObject*, PyObject*) {
     pos = end + 1;
   }
   set_item(info, "archs", int_list(archs));
+  PyObject* families = PyList_New(0);  // the kernel families compiled (csrc/instantiations/axes.json)
+  const std::string f = FA2_FAMILIES;
+  for (size_t pos = 0; pos < f.size();) {
+    size_t end = f.find(';', pos);
+    if (end == std::string::npos) end = f.size();
+    if (end > pos) {
+      PyObject* item = PyUnicode_FromString(f.substr(pos, end - pos).c_str());
+      PyList_Append(families, item);
+      Py_DECREF(item);
+    }
+    pos = end + 1;
+  }
+  set_item(info, "families", families);
   set_item(info, "fwd_head_dims", int_list(head_dims(fa2::host::kFwdInstances)));
   set_item(info, "bwd_head_dims", int_list(head_dims(fa2::host::kBwdInstances)));
   PyObject* dtypes = PyList_New(0);
@@ -91,10 +104,33 @@ PyObject* set_test_overrides(PyObject*, PyObject* args, PyObject* kwargs) {
   Py_RETURN_NONE;
 }
 
+const char* family_name(fa2::Family f) { return f == fa2::Family::kSm80 ? "sm80" : "?"; }
+
+// A launch plan (csrc/common/plan.h) as a dict: what the tests inspect of the host's decisions.
+PyObject* fwd_plan(const fa2::FwdPlan& plan) {
+  static const char* tiles[] = {"main", "narrow", "decode"};
+  static const char* transforms[] = {"none", "logits", "all"};
+  return Py_BuildValue("{s:s,s:i,s:s,s:s,s:(iiii),s:s,s:i,s:O,s:O,s:i}", "family", family_name(plan.family),
+                       "head_dim", plan.head_dim, "dtype", fa2::dtype_name(plan.dtype), "tile",
+                       tiles[int(plan.tile)], "shape", plan.shape.block_m, plan.shape.block_n, plan.shape.warps,
+                       plan.shape.stages, "transforms", transforms[int(plan.transforms)], "num_splits",
+                       plan.num_splits, "pack_gqa", plan.pack_gqa ? Py_True : Py_False, "paged",
+                       plan.paged ? Py_True : Py_False, "head_group", plan.head_group);
+}
+
+PyObject* bwd_plan(const fa2::BwdPlan& plan) {
+  static const char* tiles[] = {"main", "deep", "small_smem"};
+  return Py_BuildValue("{s:s,s:i,s:s,s:s,s:(iiii),s:i}", "family", family_name(plan.family), "head_dim",
+                       plan.head_dim, "dtype", fa2::dtype_name(plan.dtype), "tile", tiles[int(plan.tile)], "shape",
+                       plan.shape.head_dim, plan.shape.block_m, plan.shape.block_n, plan.shape.stages, "head_group",
+                       plan.head_group);
+}
+
 PyObject* strides(const fa2::Strides& s) { return Py_BuildValue("(LLL)", s.batch, s.row, s.head); }
 PyObject* ptr(const void* p) { return PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(p)); }
 
-// The launches made in record mode since the last call, as dicts of their parameters (csrc/fa2/params.h names).
+// The launches made in record mode since the last call, as dicts of their parameters (csrc/common/params.h names) and,
+// for fwd and bwd, their launch plan under "plan".
 PyObject* take_recorded_launches(PyObject*, PyObject*) {
   std::vector<fa2::host::RecordedLaunch> launches;
   {
@@ -115,7 +151,7 @@ PyObject* take_recorded_launches(PyObject*, PyObject*) {
     set_item(d, "seqlen_k", PyLong_FromLong(p.seqlen_k)), set_item(d, "nheads", PyLong_FromLong(p.nheads));
     set_item(d, "nheads_k", PyLong_FromLong(p.nheads_k)), set_item(d, "head_dim", PyLong_FromLong(p.head_dim));
     set_item(d, "softmax_scale", PyFloat_FromDouble(p.softmax_scale));
-    set_item(d, "causal", PyBool_FromLong(p.causal));
+    set_item(d, "causal", PyBool_FromLong(p.causal()));
     set_item(d, "window_left", PyLong_FromLong(p.window_left));
     set_item(d, "window_right", PyLong_FromLong(p.window_right));
     set_item(d, "score_scale", PyFloat_FromDouble(p.score_scale));
@@ -128,6 +164,8 @@ PyObject* take_recorded_launches(PyObject*, PyObject*) {
     set_item(d, "cu_seqlens_q", ptr(p.cu_seqlens_q)), set_item(d, "cu_seqlens_k", ptr(p.cu_seqlens_k));
     set_item(d, "total_q", PyLong_FromLong(p.total_q)), set_item(d, "total_k", PyLong_FromLong(p.total_k));
     set_item(d, "num_splits", PyLong_FromLong(p.num_splits));
+    set_item(d, "head_group", PyLong_FromLong(p.head_group));
+    if (l.kind == "fwd" || l.kind == "bwd") set_item(d, "plan", l.kind == "fwd" ? fwd_plan(l.fwd_plan) : bwd_plan(l.bwd_plan));
     const fa2::KvCache& c = l.kind == "kv_append" ? l.append.cache : p.cache;
     set_item(d, "cache_seqlens", ptr(c.seqlens)), set_item(d, "cache_seqlen", PyLong_FromLong(c.seqlen));
     set_item(d, "cache_appended", PyLong_FromLong(c.appended));
@@ -161,7 +199,8 @@ PyObject* take_recorded_launches(PyObject*, PyObject*) {
 }
 
 PyMethodDef methods[] = {
-    {"build_info", build_info, METH_NOARGS, "What this build compiled: version, cuda_version, archs, head dims, dtypes."},
+    {"build_info", build_info, METH_NOARGS,
+     "What this build compiled: version, cuda_version, archs, families, head dims, dtypes."},
     {"set_test_overrides", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(set_test_overrides)),
      METH_VARARGS | METH_KEYWORDS,
      "Test only (csrc/CONTRACT.md): launch parameters for every later call; set_test_overrides() resets them."},

@@ -1,20 +1,12 @@
-// fa2's CUDA ops, registered through the LibTorch Stable ABI: argument checks (the messages name the argument and
-// the fix), allocation through torch's caching allocator, the current stream, and the launch. Schemas, fake
-// implementations and autograd live in python/fa2/ops.py; this file only implements the kernels behind them, so
-// one build serves every torch from TORCH_TARGET_VERSION on.
-//
-// Errors: std::invalid_argument reaches Python as ValueError, std::runtime_error as RuntimeError. Python has no
-// exception for TypeError to come from, so those messages start with "TypeError: " and fa2's Python layer
-// re-raises them as TypeError.
+// fa2's CUDA ops, registered through the LibTorch Stable ABI: each checks its arguments (checks.h), allocates through
+// torch's caching allocator, fills the kernels' parameters, has the launch planned (plan.h) and launched (dispatch.h)
+// on the current stream. Schemas, fake implementations and autograd live in python/fa2/ops.py; this file only
+// implements the kernels behind them, so one build serves every torch from TORCH_TARGET_VERSION on.
 #include <cuda_runtime.h>
-#include <nvtx3/nvToolsExt.h>
 
-#include <charconv>
 #include <climits>
-#include <cfloat>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -27,386 +19,19 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
-#include "fa2/launch.h"  // first: cuda_runtime.h, which config.h's __host__ __device__ needs
-#include "fa2/config.h"
+#include "common/params.h"
+#include "host/checks.h"
+#include "host/dispatch.h"
+#include "host/plan.h"
 #include "host/state.h"
-
-// In libtorch_cuda, which CPU-only builds of torch lack: weak, so that the module still imports there (CI).
-extern "C" __attribute__((weak)) AOTITorchError aoti_torch_get_current_cuda_stream(int32_t device_index, void** ret);
 
 namespace fa2::host {
 namespace {
 
 using torch::headeronly::ScalarType;
-using torch::stable::Tensor;
-using Ints = torch::headeronly::IntHeaderOnlyArrayRef;
 
-// ------------------------------------------------------------------------------------------- messages
-[[noreturn]] void value_error(const std::string& msg) { throw std::invalid_argument(msg); }
-[[noreturn]] void type_error(const std::string& msg) { throw std::invalid_argument("TypeError: " + msg); }
-
-std::string str(Ints a) {  // as Python prints a tuple
-  std::string s = "(";
-  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
-  return s + (a.size() == 1 ? ",)" : ")");
-}
-
-std::string str(ScalarType t) {
-  switch (t) {
-    case ScalarType::Half: return "torch.float16";
-    case ScalarType::BFloat16: return "torch.bfloat16";
-    case ScalarType::Float: return "torch.float32";
-    case ScalarType::Double: return "torch.float64";
-    case ScalarType::Int: return "torch.int32";
-    case ScalarType::Long: return "torch.int64";
-    case ScalarType::Short: return "torch.int16";
-    case ScalarType::Char: return "torch.int8";
-    case ScalarType::Byte: return "torch.uint8";
-    case ScalarType::Bool: return "torch.bool";
-    default: return "dtype code " + std::to_string(static_cast<int>(t));
-  }
-}
-
-std::string str(double x) {  // shortest round trip, as Python's repr
-  if (std::isnan(x)) return "nan";
-  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
-  char buf[32];
-  auto end = std::to_chars(buf, buf + sizeof(buf), x).ptr;
-  std::string s(buf, end);
-  if (s.find_first_of(".en") == std::string::npos) s += ".0";
-  return s;
-}
-
-int32_t device_type(const Tensor& t) {
-  int32_t type = 0;
-  aoti_torch_get_device_type(t.get(), &type);
-  return type;
-}
-
-std::string device_str(const Tensor& t) {
-  if (t.is_cuda()) return "cuda:" + std::to_string(t.get_device_index());
-  if (t.is_cpu()) return "cpu";
-  return device_type(t) == 9 ? "meta" : "device type " + std::to_string(device_type(t));  // 9: c10's Meta
-}
-
-// ------------------------------------------------------------------------------------------- checks
-bool is_half(ScalarType t) { return t == ScalarType::Half || t == ScalarType::BFloat16; }
 DType to_dtype(ScalarType t) { return t == ScalarType::Half ? DType::fp16 : DType::bf16; }
-const char* dtype_name(DType t) { return t == DType::fp16 ? "fp16" : "bf16"; }
-
-// The kernels move 16-byte chunks (cp.async): last dim contiguous, every row 16-byte aligned.
-bool loadable(const Tensor& t) {
-  if (t.stride(-1) != 1) return false;
-  if (t.numel() == 0) return true;
-  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
-  for (int64_t i = 0; i + 1 < t.dim(); ++i) {
-    if (t.size(i) > 1 && t.stride(i) % 8 != 0) return false;
-  }
-  return true;
-}
-
-// `fix` says what to do about a tensor that fails; the messages are built only then (these checks run every call).
-void check_loadable(const char* name, const Tensor& t, const char* fix_like = nullptr) {
-  if (loadable(t)) return;
-  const std::string fix = fix_like ? std::string("allocate it with torch.empty_like(") + fix_like + ")"
-                                   : std::string("pass ") + name + ".contiguous()";
-  if (t.stride(-1) != 1) {
-    value_error(std::string(name) + " must have a contiguous last dimension (stride 1), got strides " + str(t.strides()) +
-                ": " + fix);
-  }
-  value_error(std::string(name) + " must start on a 16-byte boundary with strides that are multiples of 8 elements, "
-              "got strides " + str(t.strides()) + " (data_ptr % 16 = " +
-              std::to_string(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16) + "): " + fix);
-}
-
-// t has this dtype and shape (`what` and `whose` say where that requirement comes from: "like q", "fwd's lse").
-void check_like(const char* name, const Tensor& t, ScalarType dtype, Ints shape, const char* what, const char* whose) {
-  if (t.scalar_type() == dtype && t.sizes().equals(shape)) return;
-  const std::string why = std::string(what) + whose;
-  if (t.scalar_type() != dtype) {
-    type_error(std::string(name) + " must be a " + str(dtype) + " tensor (" + why + "), got " + str(t.scalar_type()));
-  }
-  value_error(std::string(name) + " must have shape " + str(shape) + " (" + why + "), got " + str(t.sizes()));
-}
-
-// An output buffer (out, dq, dk, dv): like `like` in dtype and shape, and loadable.
-void check_buffer(const char* name, const std::optional<Tensor>& t, const Tensor& like, const char* like_name) {
-  if (!t.has_value()) return;
-  check_like(name, *t, like.scalar_type(), like.sizes(), "like ", like_name);
-  check_loadable(name, *t, like_name);
-}
-
-// q, k, v and the scale, before any device check (so CPU tensors reach every message). Padded batches are
-// (batch, seqlen, nheads, head_dim); packed ones (varlen) (total_tokens, nheads, head_dim).
-void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, std::optional<double> softmax_scale, bool varlen) {
-  const std::pair<const char*, const Tensor*> qkv[] = {{"q", &q}, {"k", &k}, {"v", &v}};
-  for (auto [name, t] : qkv) {
-    if (!is_half(t->scalar_type())) {
-      type_error(std::string(name) + " must be float16 or bfloat16, got " + str(t->scalar_type()) + ": cast it (e.g. " +
-                 name + ".to(torch.bfloat16)), or call fa2.attention inside torch.autocast");
-    }
-  }
-  if (q.scalar_type() != k.scalar_type() || q.scalar_type() != v.scalar_type()) {
-    type_error("q, k and v must have one dtype, got q " + str(q.scalar_type()) + ", k " + str(k.scalar_type()) + ", v " +
-               str(v.scalar_type()) + ": cast k and v to q's dtype");
-  }
-  for (auto [name, t] : qkv) {
-    if (varlen && t->dim() != 3) {
-      value_error(std::string(name) + " must be 3-D (total_tokens, nheads, head_dim): the sequences packed one after "
-                  "another along dim 0, got shape " + str(t->sizes()));
-    }
-    if (!varlen && t->dim() != 4) {
-      value_error(std::string(name) + " must be 4-D (batch, seqlen, nheads, head_dim), got shape " + str(t->sizes()) +
-                  "; for a single sequence use " + name + ".unsqueeze(0)");
-    }
-  }
-  const int64_t nheads = q.size(-2), head_dim = q.size(-1);
-  if (varlen && k.size(-1) != head_dim) {
-    value_error("k must be (total_k, nheads_k, head_dim=" + std::to_string(head_dim) + ") to match q of shape " +
-                str(q.sizes()) + ", got " + str(k.sizes()));
-  }
-  if (!varlen && (k.size(0) != q.size(0) || k.size(3) != head_dim)) {
-    value_error("k must be (batch=" + std::to_string(q.size(0)) + ", seqlen_k, nheads_k, head_dim=" +
-                std::to_string(head_dim) + ") to match q of shape " + str(q.sizes()) + ", got " + str(k.sizes()));
-  }
-  if (!v.sizes().equals(k.sizes())) {
-    value_error("v must have the same shape as k " + str(k.sizes()) + ", got " + str(v.sizes()));
-  }
-  const int64_t nheads_k = k.size(-2);
-  if (nheads_k == 0 || nheads % nheads_k != 0) {
-    value_error("q's nheads (" + std::to_string(nheads) + ") must be a multiple of k's and v's nheads_k (" +
-                std::to_string(nheads_k) + ") (GQA/MQA: each K/V head serves nheads // nheads_k query heads)");
-  }
-  if (head_dim % 8 != 0 || head_dim < 8 || head_dim > 256) {
-    value_error("head_dim (last dim of q, k, v) must be a multiple of 8 in [8, 256], got " + std::to_string(head_dim) +
-                ": zero-pad q, k and v to a multiple of 8 (and pass softmax_scale for the true head_dim)");
-  }
-  for (auto [name, t] : qkv) check_loadable(name, *t);
-  // The online softmax keeps the max of unscaled scores, which is only the max of scaled ones for scale > 0; the
-  // kernels scale in float with denormals flushed, where a smaller scale is 0 and masked scores NaN.
-  if (softmax_scale.has_value() && !(std::isfinite(*softmax_scale) && *softmax_scale >= FLT_MIN)) {
-    value_error("softmax_scale must be a positive finite number (at least 1.18e-38, float's smallest normal) or None "
-                "(head_dim ** -0.5), got " + str(*softmax_scale));
-  }
-  const int64_t kIntMax = 2147483647;
-  if (q.size(-3) > kIntMax || k.size(-3) > kIntMax || nheads > 65535) {
-    value_error("q and k may have at most 2**31 - 1 tokens and 65535 heads, got q " + str(q.sizes()) + " and k " +
-                str(k.sizes()));
-  }
-}
-
-// The options beyond plain attention (flash-attn's semantics, fa2.reference): the band of visible keys, softcap,
-// ALiBi slopes, and (forward only) the per-head sink logits.
-struct Features {
-  int64_t window_left = -1, window_right = -1;
-  double softcap = 0.0;
-  const Tensor* alibi_slopes = nullptr;
-  double dropout_p = 0.0;
-  const Tensor* rng_state = nullptr;
-  const Tensor* sink = nullptr;
-};
-
-// batch: the number of sequences (padded batch size, or cu_seqlens' length - 1).
-void check_features(const Features& f, bool causal, const Tensor& q, int64_t batch) {
-  for (auto [name, w] : {std::pair<const char*, int64_t>{"window_size[0] (left)", f.window_left},
-                         {"window_size[1] (right)", f.window_right}}) {
-    if (w < -1 || w > 2147483647) {
-      value_error(std::string(name) + " must be -1 (unbounded) or a number of keys in [0, 2**31 - 1], got " +
-                  std::to_string(w));
-    }
-  }
-  if (causal && f.window_right > 0) {
-    value_error("causal=True sees no key right of the diagonal, but window_size[1] (right) = " +
-                std::to_string(f.window_right) + ": pass causal=False with window_size=(left, right), or right = 0");
-  }
-  if (!(std::isfinite(f.softcap) && f.softcap >= 0.0)) {
-    value_error("softcap must be 0 (off) or a positive finite number, got " + str(f.softcap));
-  }
-  if (f.alibi_slopes != nullptr) {
-    const Tensor& a = *f.alibi_slopes;
-    if (a.scalar_type() != ScalarType::Float) {
-      type_error("alibi_slopes must be float32, got " + str(a.scalar_type()) + ": pass alibi_slopes.float()");
-    }
-    const int64_t nheads = q.size(-2);
-    const bool per_head = a.dim() == 1 && a.size(0) == nheads;
-    const bool per_batch = a.dim() == 2 && a.size(0) == batch && a.size(1) == nheads;
-    if (!(per_head || per_batch) || !a.is_contiguous()) {
-      value_error("alibi_slopes must be a contiguous (nheads=" + std::to_string(nheads) + ",) or (batch=" +
-                  std::to_string(batch) + ", nheads=" + std::to_string(nheads) + ") tensor, got shape " +
-                  str(a.sizes()) + " and strides " + str(a.strides()));
-    }
-  }
-  if (!(f.dropout_p >= 0.0 && f.dropout_p < 1.0)) {
-    value_error("dropout_p must be in [0, 1), got " + str(f.dropout_p));
-  }
-  if (f.dropout_p > 0.0) {
-    if (f.rng_state == nullptr) {
-      value_error("dropout_p=" + str(f.dropout_p) + " needs rng_state, the (seed, offset) the mask is drawn from: an "
-                  "int64 tensor of shape (2,) on q's device (fa2.attention draws one from torch's generator)");
-    }
-    const Tensor& r = *f.rng_state;
-    if (r.scalar_type() != ScalarType::Long || r.dim() != 1 || r.size(0) != 2 || !r.is_contiguous()) {
-      value_error("rng_state must be a contiguous int64 tensor of shape (2,) (seed, offset), got " +
-                  str(r.scalar_type()) + " of shape " + str(r.sizes()));
-    }
-  }
-  if (f.sink == nullptr) return;
-  const Tensor& sink = *f.sink;
-  if (sink.scalar_type() != ScalarType::Float) {
-    type_error("sink must be float32, got " + str(sink.scalar_type()) + ": pass sink.float()");
-  }
-  if (sink.dim() != 1 || sink.size(0) != q.size(-2) || !sink.is_contiguous()) {
-    value_error("sink must be a contiguous (nheads=" + std::to_string(q.size(-2)) + ",) tensor, one logit per query "
-                "head, got shape " + str(sink.sizes()) + " and strides " + str(sink.strides()));
-  }
-}
-
-// What the backward takes beyond q, k, v (padded and varlen alike): dout, the forward's out and lse, buffers.
-void check_bwd_tensors(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                       const Tensor& lse, const std::optional<Tensor>& dq, const std::optional<Tensor>& dk,
-                       const std::optional<Tensor>& dv, std::vector<int64_t> lse_shape, const char* fwd_name) {
-  check_like("dout", dout, q.scalar_type(), q.sizes(), "like ", "q");  // any strides: copied if needed
-  check_buffer("out", out, q, "q");
-  check_like("lse", lse, ScalarType::Float, Ints(lse_shape), fwd_name, "'s lse");
-  if (!lse.is_contiguous()) value_error("lse must be contiguous, got strides " + str(lse.strides()) + ": pass lse.contiguous()");
-  check_buffer("dq", dq, q, "q");
-  check_buffer("dk", dk, k, "k");
-  check_buffer("dv", dv, v, "v");
-}
-
-// cu_seqlens: types and shapes always; the values where reading them is allowed (not while a CUDA graph is
-// captured). The kernels clamp whatever they read to the tensors' bounds, so unchecked bad values give wrong
-// numbers, never out-of-bounds accesses.
-void check_cu_seqlens(const Tensor& q, const Tensor& k, const Tensor& cu_q, const Tensor& cu_k, int64_t max_q,
-                      int64_t max_k) {
-  const std::pair<const char*, const Tensor*> cus[] = {{"cu_seqlens_q", &cu_q}, {"cu_seqlens_k", &cu_k}};
-  for (auto [name, cu] : cus) {
-    if (cu->scalar_type() != ScalarType::Int) {
-      type_error(std::string(name) + " must be an int32 tensor, got " + str(cu->scalar_type()) + ": pass " + name +
-                 ".to(torch.int32)");
-    }
-    if (cu->dim() != 1 || cu->numel() < 2) {
-      value_error(std::string(name) + " must be 1-D (batch + 1,) with batch >= 1: [0, len_0, len_0 + len_1, ...], got "
-                  "shape " + str(cu->sizes()));
-    }
-    if (device_type(*cu) != device_type(q) || cu->get_device_index() != q.get_device_index()) {
-      value_error(std::string(name) + " is on " + device_str(*cu) + " but q is on " + device_str(q) +
-                  ": put it on q's device");
-    }
-  }
-  if (cu_q.numel() != cu_k.numel()) {
-    value_error("cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got " +
-                std::to_string(cu_q.numel() - 1) + " and " + std::to_string(cu_k.numel() - 1));
-  }
-  if (max_q < 0 || max_k < 0 || max_q > 2147483647 || max_k > 2147483647) {
-    value_error("max_seqlen_q and max_seqlen_k must be in [0, 2**31 - 1], got " + std::to_string(max_q) + " and " +
-                std::to_string(max_k));
-  }
-  if (cu_q.numel() - 1 > 65535) value_error("at most 65535 sequences per call, got " + std::to_string(cu_q.numel() - 1));
-  // The values: one small copy to the host (and a wait) where the tensors are on the GPU.
-  const int64_t n = cu_q.numel();
-  std::vector<int> values(2 * n);
-  if (cu_q.is_cuda()) {
-    if (aoti_torch_get_current_cuda_stream == nullptr) return;
-    void* stream = nullptr;
-    torch::stable::accelerator::DeviceGuard guard(cu_q.get_device_index());
-    if (aoti_torch_get_current_cuda_stream(cu_q.get_device_index(), &stream) != 0) return;
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capturing) != cudaSuccess ||
-        capturing != cudaStreamCaptureStatusNone) {
-      cudaGetLastError();
-      return;
-    }
-    auto s = static_cast<cudaStream_t>(stream);
-    check_cuda(cudaMemcpyAsync(values.data(), cu_q.data_ptr(), n * sizeof(int), cudaMemcpyDeviceToHost, s), "cu_seqlens_q");
-    check_cuda(cudaMemcpyAsync(values.data() + n, cu_k.data_ptr(), n * sizeof(int), cudaMemcpyDeviceToHost, s), "cu_seqlens_k");
-    check_cuda(cudaStreamSynchronize(s), "reading cu_seqlens");
-  } else if (cu_q.is_cpu()) {
-    for (int64_t i = 0; i < n; ++i) {
-      values[i] = static_cast<const int*>(cu_q.data_ptr())[i * cu_q.stride(0)];
-      values[n + i] = static_cast<const int*>(cu_k.data_ptr())[i * cu_k.stride(0)];
-    }
-  } else {
-    return;  // meta tensors: no values
-  }
-  const struct { const char* name; const int* cu; int64_t total; const char* max_name; int64_t max_len; } rows[] = {
-      {"cu_seqlens_q", values.data(), q.size(0), "max_seqlen_q", max_q},
-      {"cu_seqlens_k", values.data() + n, k.size(0), "max_seqlen_k", max_k}};
-  for (const auto& r : rows) {
-    int64_t longest = 0;
-    bool ok = r.cu[0] == 0;
-    for (int64_t i = 1; i < n; ++i) {
-      ok &= r.cu[i] >= r.cu[i - 1];
-      longest = std::max<int64_t>(longest, int64_t(r.cu[i]) - r.cu[i - 1]);
-    }
-    if (!ok) {
-      std::string list = "[";
-      for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) list += (i ? ", " : "") + std::to_string(r.cu[i]);
-      value_error(std::string(r.name) + " must start at 0 and never decrease, got " + list + "]" + (n > 16 ? " ..." : ""));
-    }
-    if (r.cu[n - 1] != r.total) {
-      value_error(std::string(r.name) + "[-1] must equal the number of tokens (" + std::to_string(r.total) + "), got " +
-                  std::to_string(r.cu[n - 1]));
-    }
-    if (longest > r.max_len) {
-      value_error(std::string(r.max_name) + " (" + std::to_string(r.max_len) + ") is shorter than the longest sequence (" +
-                  std::to_string(longest) + ")");
-    }
-  }
-}
-
-// The smallest compiled head dim >= head_dim for this dtype; the kernel masks the padding columns.
-int pick_head_dim(const std::vector<Instance>& instances, int head_dim, DType dtype, const char* kind) {
-  int best = 0;
-  bool has_dtype = false;
-  for (const auto& inst : instances) {
-    if (inst.dtype != dtype) continue;
-    has_dtype = true;
-    if (inst.head_dim >= head_dim && (best == 0 || inst.head_dim < best)) best = inst.head_dim;
-  }
-  if (best != 0) return best;
-  if (!has_dtype) {
-    value_error(std::string("this build of fa2 has no ") + dtype_name(dtype) + " " + kind + " kernels: cast q, k and v, "
-                "or rebuild with FA2_DTYPES including " + dtype_name(dtype) + " (see fa2.build_info())");
-  }
-  std::string dims;
-  for (const auto& inst : instances) {
-    if (inst.dtype == dtype) dims += (dims.empty() ? "" : ", ") + std::to_string(inst.head_dim);
-  }
-  value_error("head_dim " + std::to_string(head_dim) + " needs a " + kind + " kernel for a head dim >= " +
-              std::to_string(head_dim) + ", and this build has [" + dims + "]: rebuild with FA2_HEAD_DIMS including one");
-}
-
-// After the shape checks: every tensor on q's CUDA device, and an sm80+ GPU there.
-void check_devices(std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
-  const Tensor& q = *tensors.begin()->second;
-  for (auto [name, t] : tensors) {
-    if (t == nullptr) continue;
-    if (!t->is_cuda()) {
-      value_error(std::string(name) + " must be a CUDA tensor, got device " + device_str(*t) + ": move it with " + name +
-                  ".cuda()");
-    }
-    if (t->get_device_index() != q.get_device_index()) {
-      value_error(std::string(name) + " is on " + device_str(*t) + " but q is on " + device_str(q) +
-                  ": put every tensor on one GPU");
-    }
-  }
-}
-
-// The device's properties are checked once (driver calls cost host time on every launch).
-void check_gpu(int device) {
-  static std::atomic<uint64_t> checked{0};
-  const uint64_t bit = device >= 0 && device < 64 ? uint64_t(1) << device : 0;
-  if (checked.load(std::memory_order_relaxed) & bit) return;
-  const int major = device_cc_major();
-  if (major < 8) {
-    int minor = 0;
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    throw std::runtime_error("fa2 needs an sm80+ GPU (Ampere or newer); cuda:" + std::to_string(device) + " is sm" +
-                             std::to_string(major) + std::to_string(minor));
-  }
-  checked.fetch_or(bit, std::memory_order_relaxed);
-}
+const Tensor* opt(const std::optional<Tensor>& t) { return t ? &*t : nullptr; }
 
 // ------------------------------------------------------------------------------------------- allocation
 // Contiguous, on `like`'s device, through torch's caching allocator (capture-safe).
@@ -433,7 +58,7 @@ Tensor new_like(const Tensor& t) {
   }
 }
 
-// ------------------------------------------------------------------------------------------- launch
+// ------------------------------------------------------------------------------------------- parameters
 Strides strides_of(const Tensor& t) {  // (batch, row, head); packed tensors have no batch stride
   if (t.dim() == 3) return {0, t.stride(0), t.stride(1)};
   return {t.stride(0), t.stride(1), t.stride(2)};
@@ -468,7 +93,6 @@ void fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v
   auto bound = [&](int64_t w) { return w < 0 || w >= int64_t(s.seqlen_q) + s.seqlen_k ? -1 : int(w); };
   p.window_left = bound(f.window_left);
   p.window_right = causal ? 0 : bound(f.window_right);
-  p.causal = p.window_right == 0;
   p.sink = f.sink ? static_cast<const float*>(f.sink->data_ptr()) : nullptr;
   p.alibi_slopes = f.alibi_slopes ? static_cast<const float*>(f.alibi_slopes->data_ptr()) : nullptr;
   p.alibi_batch_stride = f.alibi_slopes && f.alibi_slopes->dim() == 2 ? p.nheads : 0;
@@ -485,176 +109,18 @@ void fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v
   p.cu_seqlens_k = cu_k ? static_cast<const int*>(cu_k->data_ptr()) : nullptr;
   p.total_q = s.total_q, p.total_k = s.total_k;
   p.smem_limit = g_overrides.smem_limit.load(std::memory_order_relaxed);
-  const int group = g_overrides.head_group.load(std::memory_order_relaxed);
+  const int group = g_overrides.head_group.load(std::memory_order_relaxed);  // the plan applies it
   if (group != 0 && p.nheads % group != 0) {
     value_error("the test override head_group=" + std::to_string(group) + " must divide nheads=" +
                 std::to_string(p.nheads));
   }
-  p.head_group = group;
 }
 
-cudaStream_t current_stream(int device) {
-  void* stream = nullptr;
-  if (aoti_torch_get_current_cuda_stream == nullptr || aoti_torch_get_current_cuda_stream(device, &stream) != 0) {
-    throw std::runtime_error("fa2: cannot get the current CUDA stream from torch (is this a CUDA build of torch?)");
-  }
-  return static_cast<cudaStream_t>(stream);
-}
-
-// FA2_NVTX=1: an NVTX range around every launch (fa2.fwd / fa2.bwd), for Nsight timelines and `ncu --nvtx`. Off by
-// default: a range costs host time.
-bool nvtx_enabled() {
-  static const bool on = [] {
-    const char* env = std::getenv("FA2_NVTX");
-    return env != nullptr && env[0] != '\0' && std::string(env) != "0";
-  }();
-  return on;
-}
-
-struct NvtxRange {
-  bool on;
-  explicit NvtxRange(const char* name) : on(nvtx_enabled()) { if (on) nvtxRangePushA(name); }
-  ~NvtxRange() { if (on) nvtxRangePop(); }
-};
-
-// In record mode (CPU tests) the launch is recorded before the device checks, so CPU tensors go through.
-bool recording() { return g_overrides.record.load(std::memory_order_relaxed); }
-
-// The stream to launch on after the GPU checks; nothing in record mode, where the parameters are kept instead.
-template <class Params>
-std::optional<cudaStream_t> launch_stream(const char* kind, const Params& p, DType dtype, int device) {
-  if (recording()) {
-    BwdParams kept;
-    static_cast<Params&>(kept) = p;
-    std::lock_guard<std::mutex> lock(g_recorded_mutex);
-    g_recorded.push_back({kind, kept, dtype_name(dtype)});
-    return std::nullopt;
-  }
-  check_gpu(device);
-  return current_stream(device);
-}
-
-// kernel_dim: pick_head_dim's choice, made before anything was allocated.
-void launch_fwd(const FwdParams& p, DType dtype, int kernel_dim, int device) {
-  const std::optional<cudaStream_t> stream = launch_stream("fwd", p, dtype, device);
-  if (!stream) return;
-  NvtxRange range("fa2.fwd");
-#define FA2_DISPATCH(D, T) \
-  if (kernel_dim == D && dtype == DType::T) return run_fwd<D, DType::T>(p, *stream);
-  FA2_FOR_EACH_FWD(FA2_DISPATCH)
-#undef FA2_DISPATCH
-  throw std::logic_error("fa2: forward dispatch fell through");
-}
-
-void launch_kv_append(const KvAppendParams& p, int device) {
-  if (recording()) {
-    RecordedLaunch launch{"kv_append", BwdParams{}, "any"};
-    launch.append = p;
-    std::lock_guard<std::mutex> lock(g_recorded_mutex);
-    g_recorded.push_back(launch);
-    return;
-  }
-  check_gpu(device);
-  run_kv_append(p, current_stream(device));
-}
-
-void launch_bwd(const BwdParams& p, DType dtype, int kernel_dim, int device) {
-  const std::optional<cudaStream_t> stream = launch_stream("bwd", p, dtype, device);
-  if (!stream) return;
-  NvtxRange range("fa2.bwd");
-#define FA2_DISPATCH(D, T) \
-  if (kernel_dim == D && dtype == DType::T) return run_bwd<D, DType::T>(p, *stream);
-  FA2_FOR_EACH_BWD(FA2_DISPATCH)
-#undef FA2_DISPATCH
-  throw std::logic_error("fa2: backward dispatch fell through");
-}
-
-
-// ------------------------------------------------------------------------------------------- the forward
-// Decoding with GQA (one query row, several query heads per K/V head): the heads of a group become the rows of one
-// query block (seqlen_q = group, nheads = nheads_k), so a CTA reads its K/V once for all of them, not once per head.
-// lse's (batch, nheads, 1) rows are the packed (batch, nheads_k, group) ones. With one query row the causal mask
-// and a right bound exclude nothing, so they are dropped; a left bound, ALiBi, a sink or dropout depend on the row
-// or the head and keep the layout as it is.
-void pack_gqa_decode(FwdParams& p, const Tensor& q, const Tensor& out) {
-  if (p.cu_seqlens_q != nullptr || p.seqlen_q != 1 || p.nheads == p.nheads_k || p.window_left >= 0 ||
-      p.alibi_slopes != nullptr || p.sink != nullptr || p.rng_state != nullptr) {
-    return;
-  }
-  const int group = p.nheads / p.nheads_k;
-  p.seqlen_q = group, p.nheads = p.nheads_k;
-  p.q_stride = {q.stride(0), q.stride(2), group * q.stride(2)};
-  p.o_stride = {out.stride(0), out.stride(2), group * out.stride(2)};
-  p.window_right = -1, p.causal = false;
-}
-
-// The geometry of the tile a forward runs (config.h: fwd_tile_for), which sizes its grid, and whether it is the
-// narrow tile, which has no split-KV.
-struct FwdTileShape {
-  int block_m, block_n, ctas_per_sm;
-  bool narrow;
-};
-template <typename Config>
-constexpr FwdTileShape fwd_tile_shape(bool narrow) {
-  return {Config::kBlockM, Config::kBlockN, fwd_ctas_per_sm(Config::kNWarps), narrow};
-}
-template <int D>
-FwdTileShape fwd_tile_shape_of(const FwdParams& p, int smem_limit) {
-  switch (fwd_tile_for<D>(p.seqlen_q, p.seqlen_k, p.causal, p.rng_state != nullptr, smem_limit,
-                          p.cache.block_table != nullptr)) {
-    case FwdTile::kNarrow: return fwd_tile_shape<FwdNarrowConfig<D>>(true);
-    case FwdTile::kDecode: return fwd_tile_shape<FwdDecodeConfig<D>>(false);
-    default: return fwd_tile_shape<FwdConfig<D>>(false);
-  }
-}
-FwdTileShape fwd_tile_shape(const FwdParams& p, int kernel_dim, int smem_limit) {
-  switch (kernel_dim) {
-    case 32: return fwd_tile_shape_of<32>(p, smem_limit);
-    case 64: return fwd_tile_shape_of<64>(p, smem_limit);
-    case 96: return fwd_tile_shape_of<96>(p, smem_limit);
-    case 128: return fwd_tile_shape_of<128>(p, smem_limit);
-    case 160: return fwd_tile_shape_of<160>(p, smem_limit);
-    case 192: return fwd_tile_shape_of<192>(p, smem_limit);
-    case 224: return fwd_tile_shape_of<224>(p, smem_limit);
-    default: return fwd_tile_shape_of<256>(p, smem_limit);
-  }
-}
-
-// Whether the forward of this compiled head dim reads paged KV caches (config.h: fwd_reads_pages).
-bool reads_pages(int kernel_dim) {
-  switch (kernel_dim) {
-#define FA2_PAGES(D) case D: return fwd_reads_pages<D>;
-    FA2_PAGES(32) FA2_PAGES(64) FA2_PAGES(96) FA2_PAGES(128) FA2_PAGES(160) FA2_PAGES(192) FA2_PAGES(224)
-    FA2_PAGES(256)
-#undef FA2_PAGES
-    default: return false;
-  }
-}
-
-// Split-KV's count (config.h: fwd_num_splits), or the test override's, or the caller's (`requested` > 0). Only the
-// kLogits instances split, so a call with dropout, or one that takes the narrow tile (short d256 sequences, d224/d256
-// on 99 KB GPUs), runs whole, override or not. In record mode (CPU tests) there is no GPU: the tile is chosen for the
-// test's smem_limit (or an unlimited block), and no call is split unless the override says so.
-int num_splits(const FwdParams& p, int kernel_dim, int requested) {
-  if (p.rng_state != nullptr) return 1;
-  const int override_splits = g_overrides.num_splits.load(std::memory_order_relaxed);
-  const int forced = override_splits > 0 ? override_splits : requested;
-  const int smem_limit = !recording() ? block_smem_limit(p) : p.smem_limit > 0 ? p.smem_limit : INT_MAX;
-  const FwdTileShape tile = fwd_tile_shape(p, kernel_dim, smem_limit);
-  if (tile.narrow) return 1;
-  if (forced > 0) return forced;
-  if (recording()) return 1;
-  const long long ctas = 1ll * ceil_div_host(p.seqlen_q, tile.block_m) * p.nheads * p.batch;
-  return fwd_num_splits(ctas, p.batch, device_sm_count() * tile.ctas_per_sm, ceil_div_host(p.seqlen_k, tile.block_n));
-}
-
-// The launch of a forward whose parameters are filled: GQA decode packing, split-KV's count (`forced_splits` if > 0,
-// where the instance can split) and its workspaces.
-void launch_forward(FwdParams& p, const Tensor& q, const Tensor& out, const Tensor& lse, DType dtype, int kernel_dim,
-                    int forced_splits) {
-  pack_gqa_decode(p, q, out);
+// The launch of a forward whose parameters are filled: its plan (GQA decode packing, the tile, split-KV's count:
+// `forced_splits` if > 0, where the instance can split) and split-KV's workspaces.
+void launch_forward(FwdParams& p, const Tensor& q, const Tensor& lse, DType dtype, int forced_splits) {
+  const FwdPlan plan = plan_forward(p, dtype, forced_splits, device_info(p));
   std::optional<Tensor> o_partial, lse_partial;  // split-KV's workspaces, alive until the launches are queued
-  p.num_splits = num_splits(p, kernel_dim, forced_splits);
   if (p.num_splits > 1) {
     p.lse_rows = lse.numel();
     lse_partial = new_tensor(q, {p.num_splits, p.lse_rows}, ScalarType::Float);
@@ -662,7 +128,7 @@ void launch_forward(FwdParams& p, const Tensor& q, const Tensor& out, const Tens
     p.lse_partial = static_cast<float*>(lse_partial->data_ptr());
     p.o_partial = static_cast<float*>(o_partial->data_ptr());
   }
-  launch_fwd(p, dtype, kernel_dim, q.get_device_index());
+  launch_fwd(p, plan, q.get_device_index());
 }
 
 // Padded when cu_q is null. Writes into `out` when given. Returns (out, lse).
@@ -680,7 +146,7 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
                    {"alibi_slopes", f.alibi_slopes}, {"rng_state", f.dropout_p > 0.0 ? f.rng_state : nullptr}});
   }
   const DType dtype = to_dtype(q.scalar_type());
-  const int kernel_dim = pick_head_dim(kFwdInstances, int(q.size(-1)), dtype, "fwd");  // before any allocation
+  pick_head_dim(int(q.size(-1)), dtype, "fwd");  // its error before any allocation
   std::optional<torch::stable::accelerator::DeviceGuard> guard;
   if (q.is_cuda()) guard.emplace(q.get_device_index());
   Tensor out = out_buffer ? *out_buffer : new_like(q);
@@ -695,127 +161,8 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
   }
   FwdParams p;
   fill_common(p, q, k, v, out, lse, s, softmax_scale, causal, f, cu_q, cu_k);
-  launch_forward(p, q, out, lse, dtype, kernel_dim, 0);
+  launch_forward(p, q, lse, dtype, 0);
   return {out, lse};
-}
-
-// ------------------------------------------------------------------------------------------- the KV cache
-const Tensor* opt(const std::optional<Tensor>& t) { return t ? &*t : nullptr; }
-// fa2.attention_with_kvcache's checks, after which nothing can fail but a launch. The cache is (batch_cache,
-// capacity, nheads_k, head_dim), or paged (num_pages, page_size, nheads_k, head_dim) with block_table (batch,
-// max_pages); k_new/v_new (batch, seqlen_new, nheads_k, head_dim). Index values on the GPU are not read (that would
-// wait for the device on every decode step): the kernels clamp them to the cache.
-void check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const std::optional<Tensor>& k_new,
-                   const std::optional<Tensor>& v_new, const std::optional<Tensor>& cache_seqlens, int64_t cache_seqlen,
-                   const std::optional<Tensor>& cache_batch_idx, const std::optional<Tensor>& block_table,
-                   std::optional<double> softmax_scale) {
-  if (q.dim() != 4) {
-    value_error("q must be 4-D (batch, seqlen_q, nheads, head_dim), got shape " + str(q.sizes()) +
-                "; for one decode step per sequence, seqlen_q = 1");
-  }
-  const int64_t batch = q.size(0), head_dim = q.size(3);
-  const std::pair<const char*, const Tensor*> caches[] = {{"k_cache", &k_cache}, {"v_cache", &v_cache}};
-  for (auto [name, t] : caches) {
-    if (t->dim() != 4) {
-      value_error(std::string(name) + " must be 4-D: (batch_cache, capacity, nheads_k, head_dim), or with block_table "
-                  "(num_pages, page_size, nheads_k, head_dim); got shape " + str(t->sizes()));
-    }
-  }
-  if (!v_cache.sizes().equals(k_cache.sizes())) {
-    value_error("v_cache must have the same shape as k_cache " + str(k_cache.sizes()) + ", got " + str(v_cache.sizes()));
-  }
-  if (k_new.has_value() != v_new.has_value()) {
-    value_error(std::string("k and v (the new keys and values to append) go together, got only ") +
-                (k_new ? "k" : "v") + ": pass both, or neither");
-  }
-  if (k_new && !cache_seqlens && cache_seqlen < 0) {
-    value_error("appending k and v needs cache_seqlens, the rows each sequence's cache holds before them");
-  }
-  // The dtypes, q's layout and head dims, GQA and the scale as for any forward: k_new/v_new stand in for k and v
-  // where given, else a (batch, capacity, nheads_k, head_dim) view of the cache's first entries.
-  const Tensor& k_like = k_new ? *k_new : k_cache;
-  const Tensor& v_like = v_new ? *v_new : v_cache;
-  if (k_new && (k_new->dim() != 4 || k_new->size(0) != batch || k_new->size(2) != k_cache.size(2) ||
-                k_new->size(3) != k_cache.size(3))) {
-    value_error("k must be (batch=" + std::to_string(batch) + ", seqlen_new, nheads_k=" + std::to_string(k_cache.size(2)) +
-                ", head_dim=" + std::to_string(k_cache.size(3)) + ") to match q and k_cache, got " + str(k_new->sizes()));
-  }
-  if (k_cache.size(3) != head_dim) {
-    value_error("k_cache's head_dim (" + std::to_string(k_cache.size(3)) + ") must be q's (" + std::to_string(head_dim) +
-                ")");
-  }
-  for (auto [name, t] : caches) {
-    if (t->scalar_type() != q.scalar_type()) {
-      type_error(std::string(name) + " must have q's dtype " + str(q.scalar_type()) + ", got " + str(t->scalar_type()));
-    }
-    check_loadable(name, *t);
-  }
-  if (k_new) {
-    check_qkv(q, k_like, v_like, softmax_scale, false);
-  } else {
-    // check_qkv's checks with the cache standing in for k and v (its batch is checked below).
-    if (!is_half(q.scalar_type())) {
-      type_error("q must be float16 or bfloat16, got " + str(q.scalar_type()) + ": cast it (e.g. q.to(torch.bfloat16))");
-    }
-    const int64_t nheads_k = k_cache.size(2);
-    if (nheads_k == 0 || q.size(2) % nheads_k != 0) {
-      value_error("q's nheads (" + std::to_string(q.size(2)) + ") must be a multiple of the cache's nheads_k (" +
-                  std::to_string(nheads_k) + ") (GQA/MQA: each K/V head serves nheads // nheads_k query heads)");
-    }
-    if (head_dim % 8 != 0 || head_dim < 8 || head_dim > 256) {
-      value_error("head_dim (last dim of q and the caches) must be a multiple of 8 in [8, 256], got " +
-                  std::to_string(head_dim) + ": zero-pad q and the caches (fa2.attention_with_kvcache does)");
-    }
-    check_loadable("q", q);
-    if (softmax_scale.has_value() && !(std::isfinite(*softmax_scale) && *softmax_scale >= FLT_MIN)) {
-      value_error("softmax_scale must be a positive finite number (at least 1.18e-38, float's smallest normal) or "
-                  "None (head_dim ** -0.5), got " + str(*softmax_scale));
-    }
-  }
-  if (batch > 65535 || q.size(2) > 65535) {
-    value_error("at most 65535 sequences and 65535 heads per call, got q " + str(q.sizes()));
-  }
-  auto check_index = [&](const char* name, const Tensor& t, std::initializer_list<int64_t> shape, const char* what) {
-    if (t.scalar_type() != ScalarType::Int) {
-      type_error(std::string(name) + " must be an int32 tensor, got " + str(t.scalar_type()) + ": pass " + name +
-                 ".to(torch.int32)");
-    }
-    if (!t.sizes().equals(Ints(shape)) && !(t.dim() == 2 && shape.size() == 2 && t.size(0) == shape.begin()[0])) {
-      value_error(std::string(name) + " must be " + what + ", got shape " + str(t.sizes()));
-    }
-    if (!t.is_contiguous()) value_error(std::string(name) + " must be contiguous: pass " + name + ".contiguous()");
-  };
-  if (cache_seqlens) {
-    check_index("cache_seqlens", *cache_seqlens, {batch}, "(batch,): the rows each sequence's cache holds");
-  }
-  if (cache_batch_idx) {
-    if (block_table) {
-      value_error("cache_batch_idx and block_table cannot be combined: a paged cache names each sequence's pages in "
-                  "block_table, so drop cache_batch_idx");
-    }
-    check_index("cache_batch_idx", *cache_batch_idx, {batch}, "(batch,): the cache entry of each sequence");
-  }
-  if (block_table) {
-    check_index("block_table", *block_table, {batch, -1}, "(batch, max_pages): each sequence's page ids");
-    const int64_t page_size = k_cache.size(1);
-    if (page_size % kPageRows != 0 || page_size == 0) {
-      value_error("a paged cache's page_size (k_cache.shape[1] with block_table) must be a positive multiple of " +
-                  std::to_string(kPageRows) + ", got " + std::to_string(page_size));
-    }
-  } else if (!cache_batch_idx && k_cache.size(0) != batch) {
-    value_error("k_cache must have one entry per sequence (batch=" + std::to_string(batch) + ") or cache_batch_idx to "
-                "pick them, got k_cache of shape " + str(k_cache.sizes()));
-  }
-  const int64_t capacity = block_table ? block_table->size(1) * k_cache.size(1) : k_cache.size(1);
-  if (capacity > 2147483647) value_error("a cache may hold at most 2**31 - 1 rows, got " + std::to_string(capacity));
-  if (!cache_seqlens && cache_seqlen > capacity) {
-    value_error("cache_seqlens (" + std::to_string(cache_seqlen) + ") must not exceed the cache's capacity (" +
-                std::to_string(capacity) + " rows)");
-  }
-  if (k_new && !cache_seqlens && cache_seqlen + k_new->size(1) > capacity) {
-    value_error("appending " + std::to_string(k_new->size(1)) + " rows after cache_seqlens=" +
-                std::to_string(cache_seqlen) + " overflows the cache's capacity (" + std::to_string(capacity) + " rows)");
-  }
 }
 
 std::tuple<Tensor, Tensor> fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, std::optional<Tensor> k_new,
@@ -839,8 +186,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache,
                    {"block_table", opt(block_table)}, {"sink", f.sink}, {"alibi_slopes", f.alibi_slopes}});
   }
   const DType dtype = to_dtype(q.scalar_type());
-  const int kernel_dim = pick_head_dim(kFwdInstances, int(q.size(-1)), dtype, "fwd");
-  if (block_table && !reads_pages(kernel_dim)) {
+  if (block_table && !reads_pages(pick_head_dim(int(q.size(-1)), dtype, "fwd"))) {
     value_error("a paged KV cache (block_table) needs head_dim 64, 128, 224 or 256 (the kernels with a 64-row tile), "
                 "got " + std::to_string(q.size(-1)) + ": use a cache with one entry per sequence (cache_batch_idx "
                 "picks them), or zero-pad the head dim");
@@ -885,7 +231,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache,
   FwdParams p;
   fill_common(p, q, k_cache, v_cache, out, lse, s, softmax_scale, causal, f, nullptr, nullptr);
   p.cache = cache;
-  launch_forward(p, q, out, lse, dtype, kernel_dim, int(num_splits));
+  launch_forward(p, q, lse, dtype, int(num_splits));
   return {out, lse};
 }
 
@@ -913,7 +259,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
                    {"alibi_slopes", f.alibi_slopes}, {"rng_state", f.dropout_p > 0.0 ? f.rng_state : nullptr}});
   }
   const DType dtype = to_dtype(q.scalar_type());
-  const int kernel_dim = pick_head_dim(kBwdInstances, int(q.size(-1)), dtype, "bwd");
+  pick_head_dim(int(q.size(-1)), dtype, "bwd");  // its error before any allocation
   std::optional<torch::stable::accelerator::DeviceGuard> guard;
   if (q.is_cuda()) guard.emplace(q.get_device_index());
   // Gradients often arrive transposed or broadcast: copied where the kernels could not load them.
@@ -949,7 +295,8 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
   p.dk_stride = strides_of(dk_heads), p.dv_stride = strides_of(dv_heads);
   p.deterministic = deterministic;
   p.dkv_fp32 = grouped;
-  launch_bwd(p, dtype, kernel_dim, q.get_device_index());
+  const BwdPlan plan = plan_backward(p, dtype, device_info(p));
+  launch_bwd(p, plan, q.get_device_index());
   if (grouped) {
     const int64_t group = nheads / nheads_k;
     for (auto [grad, heads] : {std::pair<Tensor*, Tensor*>{&dk, &dk_heads}, {&dv, &dv_heads}}) {

@@ -8,6 +8,7 @@
     from fa2 import flash_attn_func                    # drop-in for flash-attn 2.x
     fa2.hf.register()                                  # attn_implementation="fa2" in transformers
     fa2.sdpa.activate()                                # fa2 behind F.scaled_dot_product_attention
+    fa2.testing.check_attention(out, q, k, v, causal=True)  # the tests' 2x rule; after `import fa2.testing`
 """
 import os
 import warnings

@@ -1,0 +1,65 @@
+// A launch plan: everything the host decides about how one call runs, decided once (host/plan.cpp) from the kernel
+// families' tables (sm80/config.h) and executed by the family's launch (sm80/fwd_launch.h, sm80/bwd_launch.h), which
+// re-decides none of it. Record mode (csrc/CONTRACT.md) hands the plan to the tests, and build_info() names the
+// families a build has. Plain structs: no torch, no CuTe, nothing of a family's layouts.
+#pragma once
+
+#include "common/dtype.h"
+
+namespace fa2 {
+
+// The kernel families. kSm80: the mma.sync kernels (sm80 atoms), which run on every GPU fa2 supports.
+enum class Family { kSm80 };
+
+// The forward's tiles (sm80/config.h): the main one, FA2's narrow 64 x 64 one (short d256 sequences, 99 KB GPUs,
+// paged caches at d224/d256), and the decode one (at most 64 query rows, paged caches at d64/d128).
+enum class FwdTile { kMain, kNarrow, kDecode };
+
+// The per-score transforms a forward instance compiles in; the plan picks the smallest that covers the call
+// (docs/tuning.md#features-off). A window's left edge goes with them (kNone masks causal's and seqlen_k's edges only),
+// and split-KV with kLogits alone (a call with dropout is never split). The narrow tile has the kAll instance only and
+// the decode tile the kLogits one, so a call on those tiles runs that instance.
+enum class ScoreTransforms {
+  kNone,
+  kLogits,  // softcap, ALiBi, a left edge, split-KV
+  kAll,     // kLogits' transforms and dropout; no split-KV
+};
+
+// The backward's tiles (sm80/config.h): the main one, a deeper Q/dO pipeline where a block may use more shared memory
+// than an A100 allows, and the 99 KB one.
+enum class BwdTile { kMain, kDeep, kSmallSmem };
+
+// A forward tile's geometry, as the family's table lists it.
+struct FwdTileShape {
+  int block_m, block_n, warps, stages;
+};
+
+// A backward tile's: head_dim is the kernel's (the 99 KB tile runs d224 on the d256 kernel).
+struct BwdTileShape {
+  int head_dim, block_m, block_n, stages;
+  bool running_qdo, pds_in_v;
+};
+
+struct FwdPlan {
+  Family family = Family::kSm80;
+  int head_dim = 0;  // the compiled head dim that runs (>= the call's; the kernel masks the padding columns)
+  DType dtype = DType::bf16;
+  FwdTile tile = FwdTile::kMain;
+  FwdTileShape shape = {};
+  ScoreTransforms transforms = ScoreTransforms::kNone;
+  int num_splits = 1;     // split-KV (sm80/config.h: fwd_num_splits); also FwdParams::num_splits
+  bool pack_gqa = false;  // a GQA decode's query heads packed into the rows of one block (host/plan.cpp)
+  bool paged = false;     // the K/V are a paged cache
+  int head_group = 0;     // causal: heads dispatched heaviest block first together (common/schedule.h); 0: plain order
+};
+
+struct BwdPlan {
+  Family family = Family::kSm80;
+  int head_dim = 0;
+  DType dtype = DType::bf16;
+  BwdTile tile = BwdTile::kMain;
+  BwdTileShape shape = {};
+  int head_group = 0;
+};
+
+}  // namespace fa2

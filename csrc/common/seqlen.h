@@ -1,0 +1,110 @@
+// Where the rows of one batch entry live, for padded and packed (varlen) batches alike: the kernels
+// ask this, never the params, for a sequence's lengths and offsets.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "common/params.h"
+
+namespace fa2 {
+using namespace cute;
+
+// A KV cache's rows (params.h: KvCache). Every index read from the caller's tensors is clamped to their bounds.
+// The cache entry (dim 0) of sequence `batch`'s rows in an unpaged cache.
+__device__ __forceinline__ int cache_entry(KvCache const& c, int batch) {
+  return c.batch_index == nullptr ? batch : min(max(c.batch_index[batch], 0), c.cache_batch - 1);
+}
+// The element offset of row `row` of sequence `batch` (head 0) in a cache tensor with strides st.
+__device__ __forceinline__ int64_t cache_row_offset(KvCache const& c, Strides const& st, int batch, int row) {
+  if (c.block_table == nullptr) return cache_entry(c, batch) * st.batch + row * st.row;
+  const int page = min(max(c.block_table[int64_t(batch) * c.block_table_stride + row / c.page_size], 0),
+                       c.cache_batch - 1);
+  return page * st.batch + (row % c.page_size) * st.row;
+}
+
+// The page of a key block that a paged cache's running source tile (fwd_kernel.h) is on, stepped one block down at
+// a time. The block table is read once per page, one page ahead: a step that crosses into the next page down has its
+// id in a register already, instead of waiting on a table load (and a division by the page size) before the block's
+// copies can be issued.
+template <int kBlockN>
+struct PageCursor {
+  // The current block: block `block` of the page at index `index` of the sequence's block-table row; `page` and
+  // `next_page` are that entry and the one before it, clamped. The table's address and the page geometry are
+  // recomputed from the parameters when needed, so the cursor holds four registers.
+  int index = 0, block = 0, page = 0, next_page = 0;
+
+  PageCursor() = default;
+  __device__ __forceinline__ PageCursor(KvCache const& c, int batch, int n_block)
+      : index(n_block / blocks_per_page(c)), block(n_block - index * blocks_per_page(c)),
+        page(read(c, batch, index)), next_page(read(c, batch, index - 1)) {}
+
+  static __device__ __forceinline__ int blocks_per_page(KvCache const& c) { return c.page_size / kBlockN; }
+  static __device__ __forceinline__ int read(KvCache const& c, int batch, int i) {
+    return i < 0 ? 0 : min(max(c.block_table[int64_t(batch) * c.block_table_stride + i], 0), c.cache_batch - 1);
+  }
+  // The current block's first row, in elements of a cache tensor with strides st (head 0).
+  __device__ __forceinline__ int64_t offset(Strides const& st) const {
+    return page * st.batch + int64_t(block * kBlockN) * st.row;
+  }
+  __device__ __forceinline__ void step_down(KvCache const& c, int batch) {
+    if (block > 0) {
+      --block;
+    } else {
+      --index, block = blocks_per_page(c) - 1, page = next_page;
+      next_page = read(c, batch, index - 1);
+    }
+  }
+};
+
+struct SeqInfo {
+  int seqlen_q, seqlen_k;    // this sequence's lengths
+  int kv_batch;              // the batch entry of its k and v: its own, a KV cache's batch_index one, or 0 when paged
+  int64_t q_start, k_start;  // its first token in a packed tensor (0 for padded batches)
+  int64_t stats_row;         // row 0 of this (batch, head) in lse, d_sum and dq_accum
+
+  __device__ __forceinline__ SeqInfo(FwdParams const& p, int batch, int head) {
+    kv_batch = batch;
+    if (p.cu_seqlens_q == nullptr) {
+      seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
+      if (p.cache.seqlens != nullptr) {
+        seqlen_k = int(min(max(int64_t(p.cache.seqlens[batch]) + p.cache.appended, int64_t(0)), int64_t(p.seqlen_k)));
+      }
+      // Paged: the kernel adds each key block's page offset (PageCursor) to page 0's rows.
+      kv_batch = p.cache.block_table != nullptr ? 0 : cache_entry(p.cache, batch);
+      q_start = 0, k_start = 0;
+      stats_row = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
+      return;
+    }
+    // Clamped so that a corrupt cu_seqlens can never address outside the tensors, and cut at the
+    // max_seqlen that sized the grid. The Python layer validates both and reports bad values; this only
+    // keeps the kernels memory-safe when it cannot look (CUDA-graph capture).
+    const int q0 = min(max(p.cu_seqlens_q[batch], 0), p.total_q);
+    const int q1 = min(max(p.cu_seqlens_q[batch + 1], q0), p.total_q);
+    const int k0 = min(max(p.cu_seqlens_k[batch], 0), p.total_k);
+    const int k1 = min(max(p.cu_seqlens_k[batch + 1], k0), p.total_k);
+    seqlen_q = min(q1 - q0, p.seqlen_q), seqlen_k = min(k1 - k0, p.seqlen_k);
+    q_start = q0, k_start = k0;
+    stats_row = int64_t(head) * p.total_q + q0;
+  }
+
+  // This sequence's (seqlen, kHeadDim) slice of one head of a q-side (q, o, dO, dQ) or k-side (k, v, dK, dV)
+  // tensor. Strides are 64-bit, so offsets past 2^31 elements are fine.
+  template <int kHeadDim, typename Element, typename Void>
+  __device__ __forceinline__ auto q_tensor(Void* base, Strides const& st, int batch, int head) const {
+    return slice<kHeadDim, Element>(base, st, batch, q_start, head, seqlen_q);
+  }
+  template <int kHeadDim, typename Element, typename Void>
+  __device__ __forceinline__ auto k_tensor(Void* base, Strides const& st, int batch, int head) const {
+    return slice<kHeadDim, Element>(base, st, batch, k_start, head, seqlen_k);
+  }
+
+ private:
+  template <int kHeadDim, typename Element, typename Void>
+  __device__ __forceinline__ static auto slice(Void* base, Strides const& st, int batch, int64_t start, int head,
+                                               int len) {
+    auto ptr = static_cast<Element*>(base) + batch * st.batch + start * st.row + head * st.head;
+    return make_tensor(make_gmem_ptr(ptr), make_shape(len, Int<kHeadDim>{}), make_stride(st.row, _1{}));
+  }
+};
+
+}  // namespace fa2

@@ -1,0 +1,150 @@
+// The launch plans (plan.h): one function per direction turns a call's parameters into the plan its launch executes.
+#include "host/plan.h"
+
+#include <climits>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "common/launch.h"
+#include "host/state.h"
+#include "sm80/config.h"
+
+namespace fa2::host {
+namespace {
+
+[[noreturn]] void value_error(const std::string& msg) { throw std::invalid_argument(msg); }
+
+// The highest arch this build compiled for (fa2_build_config.h's "80;90" -> 90).
+int highest_built_arch() {
+  const std::string archs = FA2_CUDA_ARCHS;
+  int best = 0;
+  for (size_t pos = 0; pos < archs.size();) {
+    size_t end = archs.find(';', pos);
+    if (end == std::string::npos) end = archs.size();
+    if (end > pos) best = std::max(best, std::atoi(archs.substr(pos, end - pos).c_str()));
+    pos = end + 1;
+  }
+  return best;
+}
+
+// Decoding with GQA (one query row, several query heads per K/V head): the heads of a group become the rows of one
+// query block (seqlen_q = group, nheads = nheads_k), so a CTA reads its K/V once for all of them, not once per head.
+// lse's (batch, nheads, 1) rows are the packed (batch, nheads_k, group) ones. With one query row the causal mask
+// and a right bound exclude nothing, so they are dropped; a left bound, ALiBi, a sink or dropout depend on the row
+// or the head and keep the layout as it is.
+bool pack_gqa_decode(FwdParams& p) {
+  if (p.cu_seqlens_q != nullptr || p.seqlen_q != 1 || p.nheads == p.nheads_k || p.window_left >= 0 ||
+      p.alibi_slopes != nullptr || p.sink != nullptr || p.rng_state != nullptr) {
+    return false;
+  }
+  const int group = p.nheads / p.nheads_k;
+  p.seqlen_q = group, p.nheads = p.nheads_k;
+  // Query head h * group + g of row 0 becomes row g of head h: rows step by the head stride, heads by group of them.
+  p.q_stride = {p.q_stride.batch, p.q_stride.head, group * p.q_stride.head};
+  p.o_stride = {p.o_stride.batch, p.o_stride.head, group * p.o_stride.head};
+  p.window_right = -1;
+  return true;
+}
+
+// The smallest instance that covers the call's per-score transforms (common/plan.h: ScoreTransforms).
+ScoreTransforms main_transforms(const FwdParams& p) {
+  if (p.rng_state != nullptr) return ScoreTransforms::kAll;
+  if (p.softcap_in > 0.f || p.alibi_slopes != nullptr || p.window_left >= 0 || p.num_splits > 1) {
+    return ScoreTransforms::kLogits;
+  }
+  return ScoreTransforms::kNone;
+}
+
+// Split-KV's count (sm80/config.h: fwd_num_splits), or the test override's, or the caller's. Only the kLogits
+// instances split, so a call with dropout, or one that takes the narrow tile (short d256 sequences, d224/d256 on
+// 99 KB GPUs), runs whole, override or not. In record mode no call is split unless the override says so.
+int num_splits(const FwdParams& p, const FwdPlan& plan, int requested, const DeviceInfo& device) {
+  if (p.rng_state != nullptr || plan.tile == FwdTile::kNarrow) return 1;
+  const int override_splits = g_overrides.num_splits.load(std::memory_order_relaxed);
+  const int forced = override_splits > 0 ? override_splits : requested;
+  if (forced > 0) return forced;
+  if (device.sm_count == 0) return 1;
+  const long long ctas = 1ll * ceil_div_host(p.seqlen_q, plan.shape.block_m) * p.nheads * p.batch;
+  const int slots = device.sm_count * fwd_ctas_per_sm(plan.shape.warps);
+  return fwd_num_splits(ctas, p.batch, slots, ceil_div_host(p.seqlen_k, plan.shape.block_n));
+}
+
+// Causal grids go heaviest block first within groups of heads (common/schedule.h): the test override's group, or as
+// many heads as are resident at once (sm80/config.h: causal_head_group); 1 in record mode; 0 (the plain order) when
+// not causal.
+int head_group(const FwdParams& p, int resident_ctas, int blocks_per_head) {
+  if (!p.causal()) return 0;
+  const int forced = g_overrides.head_group.load(std::memory_order_relaxed);
+  if (forced > 0) return forced;
+  return resident_ctas > 0 ? causal_head_group(p.nheads, resident_ctas, blocks_per_head) : 1;
+}
+
+}  // namespace
+
+DeviceInfo device_info(const FwdParams& p) {
+  if (g_overrides.record.load(std::memory_order_relaxed)) {
+    return {p.smem_limit > 0 ? p.smem_limit : INT_MAX, 0, highest_built_arch()};
+  }
+  return {block_smem_limit(p), device_sm_count(), device_code_arch()};
+}
+
+int pick_head_dim(int head_dim, DType dtype, const char* kind) {
+  const std::vector<Instance>& instances = std::string(kind) == "fwd" ? kFwdInstances : kBwdInstances;
+  int best = 0;
+  bool has_dtype = false;
+  for (const auto& inst : instances) {
+    if (inst.dtype != dtype) continue;
+    has_dtype = true;
+    if (inst.head_dim >= head_dim && (best == 0 || inst.head_dim < best)) best = inst.head_dim;
+  }
+  if (best != 0) return best;
+  if (!has_dtype) {
+    value_error(std::string("this build of fa2 has no ") + dtype_name(dtype) + " " + kind +
+                " kernels: cast q, k and v, or rebuild with FA2_DTYPES including " + dtype_name(dtype) +
+                " (see fa2.build_info())");
+  }
+  std::string dims;
+  for (const auto& inst : instances) {
+    if (inst.dtype == dtype) dims += (dims.empty() ? "" : ", ") + std::to_string(inst.head_dim);
+  }
+  value_error("head_dim " + std::to_string(head_dim) + " needs a " + kind + " kernel for a head dim >= " +
+              std::to_string(head_dim) + ", and this build has [" + dims +
+              "]: rebuild with FA2_HEAD_DIMS including one");
+}
+
+bool reads_pages(int head_dim) { return fwd_reads_pages(head_dim); }
+
+FwdPlan plan_forward(FwdParams& p, DType dtype, int requested_splits, const DeviceInfo& device) {
+  FwdPlan plan;
+  plan.family = Family::kSm80;
+  plan.head_dim = pick_head_dim(p.head_dim, dtype, "fwd");
+  plan.dtype = dtype;
+  plan.paged = p.cache.block_table != nullptr;
+  plan.pack_gqa = pack_gqa_decode(p);
+  plan.tile = fwd_tile_for(plan.head_dim, p.seqlen_q, p.seqlen_k, p.causal(), p.rng_state != nullptr,
+                           device.smem_limit, plan.paged);
+  plan.shape = fwd_tile_shape(plan.tile, plan.head_dim);
+  p.num_splits = plan.num_splits = num_splits(p, plan, requested_splits, device);
+  // The narrow tile has the kAll instance and the decode tile the kLogits one; the main tile the smallest that covers.
+  plan.transforms = plan.tile == FwdTile::kNarrow   ? ScoreTransforms::kAll
+                    : plan.tile == FwdTile::kDecode ? ScoreTransforms::kLogits
+                                                    : main_transforms(p);
+  const int resident = device.sm_count * fwd_ctas_per_sm(plan.shape.warps);
+  p.head_group = plan.head_group = head_group(p, resident, ceil_div_host(p.seqlen_q, plan.shape.block_m));
+  return plan;
+}
+
+BwdPlan plan_backward(BwdParams& p, DType dtype, const DeviceInfo& device) {
+  BwdPlan plan;
+  plan.family = Family::kSm80;
+  plan.head_dim = pick_head_dim(p.head_dim, dtype, "bwd");
+  plan.dtype = dtype;
+  plan.tile = bwd_tile_for(plan.head_dim, device.smem_limit, device.code_arch >= 90);
+  plan.shape = bwd_tile_shape(plan.tile, plan.head_dim);
+  // 8 warps of ~250 registers: one CTA per SM.
+  p.head_group = plan.head_group = head_group(p, device.sm_count, ceil_div_host(p.seqlen_k, plan.shape.block_n));
+  return plan;
+}
+
+}  // namespace fa2::host

@@ -1,0 +1,87 @@
+"""The launch plan (csrc/common/plan.h, csrc/host/plan.cpp): each call's family, compiled head dim, tile, transforms
+instance, splits, GQA packing, paged or not and causal order, decided once on the host from the family's table
+(csrc/sm80/config.h) and executed by the launch. CPU: record mode shows the plan each call would run with."""
+import pytest
+import torch
+
+import fa2
+from fa2 import ops
+
+BF16 = torch.bfloat16
+
+
+def qkv(batch=1, seqlen_q=256, seqlen_k=256, nheads=4, nheads_k=4, d=64):
+    q = torch.randn(batch, seqlen_q, nheads, d, dtype=BF16)
+    return q, *(torch.randn(batch, seqlen_k, nheads_k, d, dtype=BF16) for _ in range(2))
+
+
+def fwd_plan(recording, *tensors, **options):
+    fa2.fwd(*tensors, **options)
+    kind, launch = recording.calls[-1]
+    assert kind == "fwd"
+    assert launch["plan"]["num_splits"] == launch["num_splits"] and launch["plan"]["head_group"] == launch["head_group"]
+    return launch["plan"]
+
+
+@pytest.mark.parametrize("options,transforms", [
+    ({}, "none"), (dict(causal=True), "none"), (dict(softcap=30.0), "logits"), (dict(window_size=(64, 0)), "logits"),
+    (dict(alibi_slopes=torch.ones(4)), "logits"), (dict(dropout_p=0.1, rng_state=torch.tensor([1, 2])), "all"),
+], ids=["plain", "causal", "softcap", "window", "alibi", "dropout"])
+def test_the_main_tile_runs_the_smallest_instance_that_covers_the_call(options, transforms, recording):
+    plan = fwd_plan(recording, *qkv(), **options)
+    assert (plan["family"], plan["head_dim"], plan["dtype"], plan["tile"]) == ("sm80", 64, "bf16", "main")
+    assert plan["transforms"] == transforms
+    assert plan["shape"][:3] == (128, 64, 4)  # config.h: fwd_main_tile(64)
+    assert not plan["pack_gqa"] and not plan["paged"] and plan["num_splits"] == 1
+
+
+def test_a_head_dim_between_compiled_ones_runs_the_next_one(recording):
+    assert fwd_plan(recording, *qkv(d=40))["head_dim"] == 64
+
+
+def test_few_query_rows_run_the_decode_tile_unless_dropout(recording):
+    plan = fwd_plan(recording, *qkv(seqlen_q=64, seqlen_k=1000))
+    assert (plan["tile"], plan["transforms"], plan["shape"]) == ("decode", "logits", (64, 64, 4, 2))
+    assert fwd_plan(recording, *qkv(seqlen_q=65, seqlen_k=1000))["tile"] == "main"
+    dropped = fwd_plan(recording, *qkv(seqlen_q=64, seqlen_k=1000), dropout_p=0.1, rng_state=torch.tensor([1, 2]))
+    assert (dropped["tile"], dropped["transforms"]) == ("main", "all")
+
+
+def test_a_gqa_decode_is_packed_and_loses_its_causal_order(recording):
+    plan = fwd_plan(recording, *qkv(seqlen_q=1, seqlen_k=100, nheads=8, nheads_k=2), causal=True)
+    assert plan["pack_gqa"] and plan["tile"] == "decode" and plan["head_group"] == 0
+
+
+def test_causal_grids_get_a_head_group_and_others_none(recording, launch_overrides):
+    assert fwd_plan(recording, *qkv(), causal=True)["head_group"] == 1  # record mode: no SM count to size it for
+    assert fwd_plan(recording, *qkv())["head_group"] == 0
+    launch_overrides(record=True, head_group=2)
+    assert fwd_plan(recording, *qkv(), causal=True)["head_group"] == 2
+    assert fwd_plan(recording, *qkv())["head_group"] == 0  # the plain order, override or not
+
+
+def test_a_paged_cache_is_read_by_the_decode_tile(recording):
+    q = torch.randn(2, 1, 8, 64, dtype=BF16)
+    k_cache, v_cache = (torch.randn(4, 64, 2, 64, dtype=BF16) for _ in range(2))
+    block_table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    fa2.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([100, 7], dtype=torch.int32),
+                               block_table=block_table)
+    plan = next(launch["plan"] for kind, launch in reversed(recording.calls) if kind == "fwd")
+    assert plan["paged"] and plan["tile"] == "decode"
+
+
+def test_the_backward_takes_the_first_tile_that_fits(recording, launch_overrides):
+    q, k, v = qkv()
+    out, lse = torch.empty_like(q), torch.empty(1, 4, 256)
+    for limit, tile, shape in [(0, "main", (64, 128, 128, 2)), (99 * 1024, "small_smem", (64, 64, 128, 2))]:
+        launch_overrides(record=True, smem_limit=limit)
+        fa2.bwd(torch.randn_like(q), q, k, v, out, lse)
+        kind, launch = recording.calls[-1]
+        assert kind == "bwd" and (launch["plan"]["tile"], launch["plan"]["shape"]) == (tile, shape), limit
+        assert launch["plan"]["family"] == "sm80"
+
+
+def test_build_info_names_the_families():
+    if ops._C is None:
+        pytest.skip("fa2._C is not built")
+    assert fa2.build_info()["families"] == ["sm80"]
