@@ -30,7 +30,9 @@ def _is_built():
 
 def test_public_api_is_exactly_this():
     assert sorted(fa2.__all__) == ["__version__", "attention", "attention_varlen", "attention_with_kvcache",
-                                   "build_info", "bwd", "bwd_varlen", "flash_attn_func", "flash_attn_varlen_func",
+                                   "build_info", "bwd", "bwd_varlen", "flash_attn_func", "flash_attn_kvpacked_func",
+                                   "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+                                   "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
                                    "flash_attn_with_kvcache", "fwd", "fwd_varlen", "hf", "reference", "sdpa"]
     assert callable(fa2.reference.attention_ref) and isinstance(fa2.__version__, str)
 

@@ -18,15 +18,18 @@ import torch  # noqa: F401  (first: fa2._C links libtorch, which torch's import 
 
 from fa2 import reference
 from fa2.integrations import hf, sdpa  # sdpa's import registers "fa2" with torch's flash-attention registry
-from fa2.integrations.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from fa2.integrations.flash_attn import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                                         flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                                         flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 from fa2.interface import build_info, bwd, bwd_varlen, fwd, fwd_varlen
 from fa2.kvcache import attention_with_kvcache
 from fa2.ops import attention, attention_varlen
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "build_info", "bwd", "bwd_varlen",
-           "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "fwd", "fwd_varlen", "hf",
-           "reference", "sdpa", "__version__"]
+           "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache", "fwd",
+           "fwd_varlen", "hf", "reference", "sdpa", "__version__"]
 
 
 def _warn_if_another_distribution_shares_this_directory() -> None:

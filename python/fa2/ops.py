@@ -135,6 +135,18 @@ def call(op, *args):
         return call_traced(op, *args)
 
 
+def describe(x) -> str:
+    """x for an error message: a tensor by its shape and dtype (never its values, which can be millions), a tuple
+    or list element by element, anything else by its repr, cut short."""
+    if isinstance(x, Tensor):
+        return f"a {x.device.type} tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    if isinstance(x, (tuple, list)) and len(x) <= 8:
+        inner = ", ".join(describe(e) for e in x)
+        return f"({inner}{',' if len(x) == 1 else ''})" if isinstance(x, tuple) else f"[{inner}]"
+    text = repr(x)
+    return text if len(text) <= 200 else f"{text[:200]}... ({type(x).__name__})"
+
+
 def check_tensors(**tensors) -> None:
     """Anything that is not a tensor where one belongs (the op's own message would not name the argument)."""
     for name, t in tensors.items():
@@ -145,7 +157,7 @@ def check_tensors(**tensors) -> None:
 def check_max_seqlens(max_seqlen_q, max_seqlen_k) -> None:
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, (bool, Tensor)) or not hasattr(m, "__index__") or m < 0:
-            raise TypeError(f"{name} must be a non-negative Python int (the longest sequence), got {m!r}")
+            raise TypeError(f"{name} must be a non-negative Python int (the longest sequence), got {describe(m)}")
 
 
 # ----------------------------------------------------------------------------------------------- head dims
@@ -172,11 +184,11 @@ def window(window_size) -> tuple:
     try:
         left, right = window_size
     except (TypeError, ValueError):
-        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 for unbounded, got {window_size!r}") \
-            from None
+        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 for unbounded, "
+                        f"got {describe(window_size)}") from None
     for name, w in (("window_size[0] (left)", left), ("window_size[1] (right)", right)):
         if isinstance(w, (bool, Tensor)) or not hasattr(w, "__index__"):
-            raise TypeError(f"{name} must be an int (-1 for unbounded), got {w!r}")
+            raise TypeError(f"{name} must be an int (-1 for unbounded), got {describe(w)}")
     return int(left), int(right)
 
 

@@ -1,17 +1,25 @@
-"""flash-attn 2.x's `flash_attn_func`, `flash_attn_varlen_func` and `flash_attn_with_kvcache` on fa2, for code written
-against flash-attn:
+"""flash-attn 2.x's drop-ins on fa2, for code written against flash-attn:
 
     from fa2 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache   # was: from flash_attn import
+    from fa2 import flash_attn_qkvpacked_func, flash_attn_kvpacked_func                # and their varlen forms
 
 Argument names, order, defaults and return values are those of flash-attn 2.8's flash_attn/flash_attn_interface.py.
-Options fa2 does not implement raise NotImplementedError naming the option, before any other check.
+Options fa2 does not implement raise NotImplementedError naming the option, before any other check. window_size
+takes what flash-attn takes: ints or integer 0-d tensors (its tests pass torch.randint values), any negative entry
+meaning unbounded. The packed functions slice qkv / kv into views and call the unpacked ones; autograd carries the
+gradients back into the packed tensor.
 
-return_attn_probs=True returns (out, softmax_lse, S_dmask), as flash-attn does, for tests: S_dmask holds the attention
-probabilities (after softcap, ALiBi and masking, before dropout; flash-attn's docs allow them "with different
-scaling", and fa2's are normalised) with the dropped ones negated, or is None without dropout. They are computed by
-fa2.reference from q, k and the call's dropout state, not read out of the kernel: the GPU tests show the kernels
-draw exactly fa2.reference's mask. The call syncs with the device (it reads the state) and holds seqlen_q x seqlen_k
-fp32 per head."""
+return_attn_probs=True returns (out, softmax_lse, S_dmask), as flash-attn does, for tests. Without dropout S_dmask is
+flash-attn's empty tensor (shape (0,)). With dropout it is laid out and encoded as flash-attn's kernel writes it and
+its tests (tests/test_flash_attn.py: convert_flash_attn_S_to_softmax, normalize_flash_attn_S) decode it:
+(batch, nheads, seqlen_q, seqlen_k), both rounded up to multiples of 128, in q's dtype, entry (i, j) of key block n
+(columns [n * block_n, (n + 1) * block_n), block_n = _get_block_size_n(...)) holding exp(s_ij - m_i,n), where s is
+the score after scaling, softcap, ALiBi and masking and m_i,n the running max of row i over key blocks n onwards (the
+kernel walks the key blocks from the last); a dropped entry is negated; 0 outside the sequence and the band (varlen:
+sequence b in the top-left corner of slice b). The decoder multiplies block n by exp(m_i,n - lse_i) and gets the
+probabilities. fa2's kernels do not write it: it is computed by fa2.reference from q, k and the call's dropout state
+(the GPU tests show the kernels draw exactly fa2.reference's mask). The call syncs with the device (it reads the
+state) and holds seqlen_q x seqlen_k fp64 per head."""
 from __future__ import annotations
 
 import torch
@@ -19,7 +27,7 @@ import torch
 from fa2 import reference
 from fa2.kvcache import attention_with_kvcache
 from fa2.ops import (FWD, FWD_VARLEN, attend_with_lse, attention, attention_varlen, check_max_seqlens, check_tensors,
-                     dropout_state, slopes, window)
+                     describe, dropout_state, slopes)
 
 # Each option fa2 lacks: (name, its "off" test, what it would have done).
 _UNSUPPORTED = (
@@ -33,23 +41,44 @@ _UNSUPPORTED = (
 def _reject_unsupported(**options) -> None:
     for name, off, what in _UNSUPPORTED:
         if name in options and not off(options[name]):
-            raise NotImplementedError(f"fa2 does not implement {what}: {name}={options[name]!r} is not supported "
-                                      f"(leave {name} at its default, or use the flash-attn package)")
+            raise NotImplementedError(f"fa2 does not implement {what}: {name}={describe(options[name])} is not "
+                                      f"supported (leave {name} at its default, or use the flash-attn package)")
 
 
 def _window(window_size, causal):
-    """flash-attn lets causal win over a right bound (its mha_fwd sets window_size_right = 0), where fa2.attention
-    refuses the contradiction; code written for flash-attn (transformers passes (w, w) with causal) keeps working."""
-    left, right = window(window_size)  # a malformed window gets fa2.attention's message
+    """flash-attn's window_size as fa2's (left, right) ints. As in flash-attn: an entry may be an integer 0-d tensor
+    (its tests pass torch.randint(0, seqlen, (2,)), a 1-d tensor whose entries are 0-d tensors), any negative entry
+    means unbounded (fa2's own API refuses one below -1), and causal wins over a right bound (its mha_fwd sets
+    window_size_right = 0, where fa2.attention refuses the contradiction; transformers passes (w, w) with causal)."""
+    if type(window_size) is tuple and window_size == (-1, -1):  # the default, on every call
+        return (-1, 0) if causal else (-1, -1)
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair (left, right) of ints or integer 0-d tensors, negative for "
+                        f"unbounded, got {describe(window_size)}") from None
+    left, right = _window_bound("window_size[0] (left)", left), _window_bound("window_size[1] (right)", right)
     return (left, 0) if causal else (left, right)
+
+
+def _window_bound(name, w) -> int:
+    if isinstance(w, torch.Tensor):
+        if w.dim() != 0 or w.dtype == torch.bool or w.is_floating_point() or w.is_complex():
+            raise TypeError(f"{name} must be an int or an integer 0-d tensor, got {describe(w)}")
+        # int() reads the value on the host: free for the CPU tensors flash-attn's tests pass; a CUDA one waits for
+        # the GPU here, which the drop-in accepts (fa2's own API takes ints only and never syncs).
+        w = int(w)
+    elif isinstance(w, bool) or not hasattr(w, "__index__"):
+        raise TypeError(f"{name} must be an int or an integer 0-d tensor, got {describe(w)}")
+    return max(int(w), -1)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """fa2.attention under flash-attn's signature. q: (batch, seqlen_q, nheads, head_dim); k, v: (batch,
     seqlen_k, nheads_k, head_dim). causal is bottom-right aligned, as in flash-attn. Returns out; with
-    return_attn_probs, (out, softmax_lse (batch, nheads, seqlen_q) fp32, S_dmask (batch, nheads, seqlen_q, seqlen_k)
-    or None), as the module docstring says."""
+    return_attn_probs, (out, softmax_lse (batch, nheads, seqlen_q) fp32, S_dmask), S_dmask as the module docstring
+    says."""
     window_size = _window(window_size, causal)
     if not return_attn_probs:
         return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
@@ -59,10 +88,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     out, lse = attend_with_lse(FWD, q, k, v, softmax_scale, bool(causal), bool(deterministic), *window_size,
                                float(softcap), slopes(alibi_slopes), float(dropout_p), state, None)
     if state is None:
-        return out, lse, None
+        return out, lse, q.new_empty((0,))
     sequences = [(q[b:b + 1], k[b:b + 1], _slopes_of(alibi_slopes, b)) for b in range(q.shape[0])]
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
-    return out, lse, _dropped_probs(sequences, options, dropout_p, state, q.shape[1], k.shape[1])
+    return out, lse, _s_dmask(sequences, options, dropout_p, state, q.shape[1], k.shape[1])
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -70,8 +99,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None):
     """fa2.attention_varlen under flash-attn's signature. q: (total_q, nheads, head_dim); k, v: (total_k,
     nheads_k, head_dim); cu_seqlens_*: int32 (batch + 1,). Returns out, (total_q, nheads, head_dim); with
-    return_attn_probs, (out, softmax_lse (nheads, total_q) fp32, S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)
-    or None; sequence b fills its top-left corner of slice b, the rest is 0)."""
+    return_attn_probs, (out, softmax_lse (nheads, total_q) fp32, S_dmask), S_dmask as the module docstring says
+    (sequence b in the top-left corner of slice b)."""
     _reject_unsupported(block_table=block_table)
     window_size = _window(window_size, causal)
     if not return_attn_probs:
@@ -85,12 +114,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                softmax_scale, bool(causal), bool(deterministic), *window_size, float(softcap),
                                slopes(alibi_slopes), float(dropout_p), state, None)
     if state is None:
-        return out, lse, None
+        return out, lse, q.new_empty((0,))
     bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     sequences = [(q[None, bq[b]:bq[b + 1]], k[None, bk[b]:bk[b + 1]], _slopes_of(alibi_slopes, b))
                  for b in range(len(bq) - 1)]
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
-    return out, lse, _dropped_probs(sequences, options, dropout_p, state, max_seqlen_q, max_seqlen_k)
+    return out, lse, _s_dmask(sequences, options, dropout_p, state, max_seqlen_q, max_seqlen_k)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -109,24 +138,98 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                   return_lse=return_softmax_lse)
 
 
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                              alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func on the views q, k, v = qkv.unbind(2) of qkv (batch, seqlen, 3, nheads, head_dim); the
+    gradient reaches qkv through autograd. Returns what flash_attn_func returns."""
+    q, k, v = _unpack("qkv", qkv, 3, "(batch, seqlen, 3, nheads, head_dim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                             alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func on q and the views k, v = kv.unbind(2) of kv (batch, seqlen_k, 2, nheads_k, head_dim)."""
+    k, v = _unpack("kv", kv, 2, "(batch, seqlen_k, 2, nheads_k, head_dim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash_attn_varlen_func on the views q, k, v = qkv.unbind(1) of qkv (total, 3, nheads, head_dim), with
+    cu_seqlens and max_seqlen for both queries and keys."""
+    q, k, v = _unpack("qkv", qkv, 3, "(total, 3, nheads, head_dim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_varlen_func on q and the views k, v = kv.unbind(1) of kv (total_k, 2, nheads_k, head_dim)."""
+    k, v = _unpack("kv", kv, 2, "(total_k, 2, nheads_k, head_dim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def _unpack(name, packed, count, layout):
+    """The count views of a packed tensor along its dim -3 (fa2 takes any strides but the last's). unbind's
+    backward stacks the views' gradients into one tensor shaped like `packed`."""
+    check_tensors(**{name: packed})
+    if packed.dim() != layout.count(",") + 1 or packed.shape[-3] != count:
+        raise ValueError(f"{name} must be {layout}, got shape {tuple(packed.shape)}")
+    return packed.unbind(-3)
+
+
 def _slopes_of(alibi_slopes, b):
     """Sequence b's ALiBi slopes, (nheads,), from (nheads,) or (batch, nheads) ones (or None)."""
     return alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
 
 
-def _dropped_probs(sequences, options, dropout_p, state, seqlen_q, seqlen_k):
-    """S_dmask: for each sequence (q (1, seqlen_q, nheads, d), k, its slopes), fa2.reference's probabilities with
-    the ones dropout drops negated, in q's dtype, (len(sequences), nheads, seqlen_q, seqlen_k). The sign bit carries
-    the mask: a dropped probability of 0 is -0.0 (read it with torch.signbit; `>= 0` takes it as kept, as for
-    flash-attn's own S_dmask, harmlessly since it adds nothing)."""
+def _get_block_size_n(device, head_dim, is_dropout, is_causal):
+    """flash-attn 2.8's flash_attn_interface._get_block_size_n, the key block size its tests decode S_dmask with
+    (normalize_flash_attn_S). The GPU's capability matters only without dropout, where S_dmask is empty."""
+    if not 0 < head_dim <= 256:
+        raise ValueError(f"head_dim must be in [1, 256], got {head_dim}")
+    if head_dim <= 32:
+        return 128
+    if head_dim <= 64:
+        return 128 if not is_dropout else 64
+    if head_dim <= 96:
+        return 64
+    if head_dim <= 128:
+        if is_dropout:
+            return 32
+        major, minor = torch.cuda.get_device_capability(device)
+        return 64 if is_causal or not (major == 8 and minor > 0) else 32  # sm86/sm89: 32 unless causal
+    return 64
+
+
+def _s_dmask(sequences, options, dropout_p, state, seqlen_q, seqlen_k):
+    """S_dmask in flash-attn's encoding (the module docstring): for each sequence (q (1, seqlen_q, nheads, d), k,
+    its slopes), entry (i, j) of key block n is P_ij / max(P_ij' over the key blocks from n on), which is
+    exp(s_ij - m_i,n) (the lse cancels), negated where the dropout mask drops it; (len(sequences), nheads,
+    seqlen_q and seqlen_k rounded up to 128), q's dtype. A dropped 0 is -0.0, which flash-attn's tests (`>= 0`)
+    read as kept, harmlessly since it adds nothing; its kernel does the same."""
     q0 = sequences[0][0]
-    nheads = q0.shape[2]
+    nheads, head_dim = q0.shape[2], q0.shape[3]
+    block_n = _get_block_size_n(q0.device, head_dim, True, options["causal"])
     keep = reference.dropout_keep_mask(state.tolist(), len(sequences), nheads, seqlen_q, seqlen_k, dropout_p,
                                        device=q0.device)
-    probs = torch.zeros(len(sequences), nheads, seqlen_q, seqlen_k, dtype=q0.dtype, device=q0.device)
+    rounded = (-(-seqlen_q // 128) * 128, -(-seqlen_k // 128) * 128)
+    s_dmask = torch.zeros(len(sequences), nheads, *rounded, dtype=q0.dtype, device=q0.device)
     with torch.no_grad():
         for b, (q, k, alibi) in enumerate(sequences):
-            p, _ = reference.attention_probs(q, k, alibi_slopes=alibi, dtype=torch.float32, **options)
-            kept = keep[b, :, :q.shape[1], :k.shape[1]]
-            probs[b, :, :q.shape[1], :k.shape[1]] = torch.where(kept, p[0], -p[0]).to(q.dtype)
-    return probs
+            lq, lk = q.shape[1], k.shape[1]
+            if lq == 0 or lk == 0:
+                continue
+            p = reference.attention_probs(q, k, alibi_slopes=alibi, dtype=torch.float64, **options)[0][0]
+            block_max = torch.stack([blk.amax(-1) for blk in p.split(block_n, dim=-1)], dim=-1)
+            running_max = block_max.flip(-1).cummax(-1).values.flip(-1).repeat_interleave(block_n, -1)[..., :lk]
+            unnormalised = torch.where(running_max > 0, p / running_max, 0.0)  # 0 where no key is visible yet
+            kept = keep[b, :, :lq, :lk]
+            s_dmask[b, :, :lq, :lk] = torch.where(kept, unnormalised, -unnormalised).to(q.dtype)
+    return s_dmask

@@ -21,8 +21,8 @@ NAME = "fa2"
 
 
 def _unsupported(what: str, value) -> RuntimeError:
-    return RuntimeError(f"fa2 (active as SDPA's flash attention) does not implement {what}={value!r}: leave it at "
-                        f"its default, or call fa2.sdpa.restore() to get torch's own flash kernel back")
+    return RuntimeError(f"fa2 (active as SDPA's flash attention) does not implement {what}={ops.describe(value)}: "
+                        "leave it at its default, or call fa2.sdpa.restore() to get torch's own flash kernel back")
 
 
 def _check_options(dropout_p=0.0, return_debug_mask=False, window_size_left=None, window_size_right=None,
