@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 SDPA_IMPLS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
-SWEEP_IMPLS = ("fa2", "sdpa_flash", "sdpa_cudnn")
+SWEEP_IMPLS = ("fa2", "fa2_sm80", "fa2_sm90", "sdpa_flash", "sdpa_cudnn")  # fa2_<family>: that family forced
 
 
 def sdpa_backend(impl):
@@ -48,6 +48,17 @@ def attention_fn(impl, causal, fa2=None, dropout_p=0.0):
     if impl == "fa2":
         fa2 = fa2 or common.load()
         return lambda q, k, v: fa2.attention(q, k, v, causal=causal, dropout_p=dropout_p)
+    if impl.startswith("fa2_"):  # one kernel family forced (the test override), where it serves the call
+        fa2 = fa2 or common.load()
+        family = impl[len("fa2_"):]
+
+        def forced(q, k, v):
+            fa2._C.set_test_overrides(family=family)
+            try:
+                return fa2.attention(q, k, v, causal=causal, dropout_p=dropout_p)
+            finally:
+                fa2._C.set_test_overrides()
+        return forced
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
     backend = sdpa_backend(impl)

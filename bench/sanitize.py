@@ -10,7 +10,7 @@ configurations of consumer GPUs (csrc/sm80/config.h), padded and packed: d256's 
 The last two cases are split (split-KV, fwd_combine.h). Last, the cases again with a sliding window (blocks skipped
 on both sides, rows that see no key), softcap, ALiBi, dropout and sinks; --features runs only those, then once more
 on 99 KB configurations. First, KV-cache calls (fa2.attention_with_kvcache), paged and not, with index values out of
-range.
+range. Before them, the Hopper forward (csrc/sm90/) where the build and GPU have it.
 """
 import sys
 
@@ -107,7 +107,27 @@ def run_kvcache():
             assert out.shape == q.shape
 
 
+# The Hopper forward (csrc/sm90/: TMA, mbarrier pipelines, wgmma) on every case it serves, each family forced in
+# turn where the build has it: ragged tails in both sequence lengths, GQA, rows that see no key (causal, seqlen_q >
+# seqlen_k), and q, k, v as strided views of one packed tensor.
+HOPPER_CASES = [(1, 77, 133, 4, 2, 64, True), (2, 130, 61, 2, 1, 64, True), (1, 200, 200, 2, 2, 256, True),
+                (1, 1030, 100, 2, 2, 256, False), (1, 129, 257, 8, 1, 128, False), (2, 300, 80, 2, 2, 128, True)]
+
+
+def run_hopper():
+    if "sm90" not in fa2.build_info()["families"] or torch.cuda.get_device_capability() != (9, 0):
+        return
+    fa2._C.set_test_overrides(family="sm90")  # test-only (csrc/CONTRACT.md)
+    run_cases(HOPPER_CASES, [], (torch.bfloat16,))
+    qkv = torch.randn(2, 257, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
+    out, _ = fa2.fwd(*qkv.unbind(2), causal=True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    fa2._C.set_test_overrides()
+
+
 dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)
+run_hopper()
 run_kvcache()
 if not features_only:
     run_cases(CASES, VARLEN[:1] if quick else VARLEN, dtypes)

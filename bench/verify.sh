@@ -17,7 +17,9 @@
 #       holding _C*.so or the _C*.so.NN parts an earlier run left in $OUT). A module it built is left in $OUT, split
 #       in 15 MB parts (keep them as a later run's VERIFY_PREBUILT or VERIFY_AB_BASE). Then the steps named in
 #       VERIFY_STEPS (default "tests sanitize bench"), in this order:
-#         tests     the GPU test suite with FA2_REQUIRE_GPU=1 (a skip is a failure)
+#         tests     the GPU test suite with FA2_REQUIRE_GPU=1 (a skip is a failure), once per kernel family the GPU
+#                   runs (FA2_FAMILY=sm80, then sm90 on an sm90 GPU with the Hopper family built; VERIFY_FAMILIES
+#                   names others)
 #         sanitize  compute-sanitizer memcheck and racecheck over bench/sanitize.py
 #         ab        same-run A/B (bench.py ab) of this run's module ("new") against the module in VERIFY_AB_BASE
 #                   ("base"): d64/96/128/256 bf16, seqlens 1k/4k/16k, causal and not, fwd and bwd, each build
@@ -128,9 +130,14 @@ print(int(not any(a // 10 == major and a <= 10 * major + minor for a in fa2.buil
     timed sass-compare 60 sass.txt python3 bench/sass.py compare "$VERIFY_SASS_BASE" "$out/sass-new.json.gz"
     head -n 40 "$out/sass.txt"
   fi
-  if [[ $steps == *" tests "* ]]; then
-    timed tests 300 tests.log env FA2_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider tests
-    tail -2 "$out/tests.log"
+  if [[ $steps == *" tests "* ]]; then  # the suite once per kernel family this GPU runs, that family forced on
+    families=${VERIFY_FAMILIES:-$(python3 -c "import fa2, torch
+print(' '.join(f for f in fa2.build_info()['families'] if f == 'sm80' or torch.cuda.get_device_capability() == (9, 0)))")}
+    for family in $families; do
+      timed "tests-$family" 300 "tests-$family.log" env FA2_REQUIRE_GPU=1 FA2_FAMILY="$family" python3 -m pytest -q \
+        -p no:cacheprovider tests
+      tail -2 "$out/tests-$family.log"
+    done
   fi
   if [[ $steps == *" sanitize "* ]]; then
     timed memcheck 150 memcheck.log compute-sanitizer --tool memcheck python3 bench/sanitize.py

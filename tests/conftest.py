@@ -103,13 +103,33 @@ def recording():
 
 
 @pytest.fixture
-def launch_overrides():
+def launch_overrides(request):
     """launch_overrides(smem_limit=101376) makes every later kernel launch act as if a block could use only that
     much shared memory (another GPU's configurations); launch_overrides(head_group=2) forces the causal grids'
-    head groups. The test-only entry point of csrc/CONTRACT.md; reset when the test ends, or by launch_overrides()."""
+    head groups, launch_overrides(family="sm80") a kernel family. The test-only entry point of csrc/CONTRACT.md;
+    reset when the test ends, or by launch_overrides(). In a test file that sets FAMILY, every call pins it."""
     from fa2 import ops
 
     if ops._C is None:
         raise ops.not_built()
-    yield ops._C.set_test_overrides
+    family = getattr(request.module, "FAMILY", None)
+    if family is None:
+        yield ops._C.set_test_overrides
+    else:
+        yield lambda **overrides: ops._C.set_test_overrides(**{"family": family, **overrides})
+    ops._C.set_test_overrides()
+
+
+@pytest.fixture(autouse=True)
+def _pinned_family(request):
+    """A test file whose tests are about one kernel family's configurations sets FAMILY = "sm80" (or "sm90"): its
+    calls run on that family, whatever FA2_FAMILY or the launch plan would pick."""
+    from fa2 import ops
+
+    family = getattr(request.module, "FAMILY", None)
+    if family is None or ops._C is None:
+        yield
+        return
+    ops._C.set_test_overrides(family=family)
+    yield
     ops._C.set_test_overrides()

@@ -22,6 +22,10 @@ CONSUMER_SMEM = 99 * 1024  # sm86, sm89, sm120
 HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 
 
+# This file's configurations are the mma.sync family's (csrc/sm80/config.h): conftest pins its calls there.
+FAMILY = "sm80"
+
+
 def _launches(fn, pattern=r"fa2::(fwd_kernel|bwd_kernel|bwd_dq_kernel)<", tmp_path=None):
     """fn()'s result and the (kernel name, shared memory per block in bytes) of each launch matching `pattern`,
     from the profiler's trace."""

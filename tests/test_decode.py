@@ -14,6 +14,10 @@ from fa2 import ops
 from fa2.testing import assert_written, poison
 from test_features import CONSUMER_SMEM, alibi_slopes, check_against_reference, check_forward, randn
 
+# This file's configurations are the mma.sync family's (csrc/sm80/config.h): conftest pins its calls there.
+FAMILY = "sm80"
+
+
 gpu = pytest.mark.gpu
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, window_size, softcap, sink, alibi)

@@ -266,11 +266,12 @@ def test_flash_attn_func_takes_window_softcap_and_alibi(require_kernel):
 
 
 @gpu
-def test_forward_runs_the_smallest_instance_that_covers_the_call(require_kernel):
-    """The forward's main tile has three instances (fwd_launch.h): plain, softcap, ALiBi, a window's left edge and
-    split-KV (kLogits), and everything (kAll, for dropout). Sinks and a right edge alone (causal's) run in the plain
-    one. The shape fills the GPU (1024 CTAs), so the launch does not split it."""
+def test_forward_runs_the_smallest_instance_that_covers_the_call(require_kernel, launch_overrides):
+    """The mma.sync forward's main tile has three instances (sm80/fwd_launch.h): plain, softcap, ALiBi, a window's
+    left edge and split-KV (kLogits), and everything (kAll, for dropout). Sinks and a right edge alone (causal's) run
+    in the plain one. The shape fills the GPU (1024 CTAs), so the launch does not split it."""
     require_kernel("fwd", 128, torch.bfloat16)
+    launch_overrides(family="sm80")
     q, k, v = (randn(8, 2048, 8, 128) for _ in range(3))
     state = torch.tensor([1, 2], device="cuda")
     names = ["kNone", "kLogits", "kAll"]

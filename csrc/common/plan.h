@@ -8,8 +8,9 @@
 
 namespace fa2 {
 
-// The kernel families. kSm80: the mma.sync kernels (sm80 atoms), which run on every GPU fa2 supports.
-enum class Family { kSm80 };
+// The kernel families. kSm80: the mma.sync kernels (sm80 atoms), which run on every GPU fa2 supports. kSm90: the
+// Hopper kernels (wgmma, TMA, warp specialization; sm_90a code), on compute capability 9.0 for what they serve.
+enum class Family { kSm80, kSm90 };
 
 // The forward's tiles (sm80/config.h): the main one, FA2's narrow 64 x 64 one (short d256 sequences, 99 KB GPUs,
 // paged caches at d224/d256), and the decode one (at most 64 query rows, paged caches at d64/d128).

@@ -15,6 +15,7 @@
 #include "common/launch.h"
 #include "host/state.h"
 #include "sm80/api.h"
+#include "sm90/api.h"
 
 // In libtorch_cuda, which CPU-only builds of torch lack: weak, so that the module still imports there (CI).
 extern "C" __attribute__((weak)) AOTITorchError aoti_torch_get_current_cuda_stream(int32_t device_index, void** ret);
@@ -93,7 +94,14 @@ void launch_fwd(const FwdParams& p, const FwdPlan& plan, int device) {
   NvtxRange range("fa2.fwd");
 #define FA2_DISPATCH(D, T) \
   if (plan.head_dim == D && plan.dtype == DType::T) return run_fwd<D, DType::T>(p, plan, *stream);
-  FA2_FOR_EACH_SM80_FWD(FA2_DISPATCH)
+#define FA2_DISPATCH_SM90(D, T) \
+  if (plan.head_dim == D && plan.dtype == DType::T) return sm90::run_fwd<D, DType::T>(p, plan, *stream);
+  if (plan.family == Family::kSm90) {
+    FA2_FOR_EACH_SM90_FWD(FA2_DISPATCH_SM90)
+  } else {
+    FA2_FOR_EACH_SM80_FWD(FA2_DISPATCH)
+  }
+#undef FA2_DISPATCH_SM90
 #undef FA2_DISPATCH
   throw std::logic_error("fa2: forward dispatch fell through");
 }

@@ -78,10 +78,16 @@ PyObject* build_info(PyObject*, PyObject*) {
 }
 
 PyObject* set_test_overrides(PyObject*, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"smem_limit", "head_group", "record", "num_splits", nullptr};
+  static const char* names[] = {"smem_limit", "head_group", "record", "num_splits", "family", nullptr};
   int smem_limit = 0, head_group = 0, record = 0, num_splits = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iipi:set_test_overrides", const_cast<char**>(names), &smem_limit,
-                                   &head_group, &record, &num_splits)) {
+  const char* family = "";
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iipis:set_test_overrides", const_cast<char**>(names), &smem_limit,
+                                   &head_group, &record, &num_splits, &family)) {
+    return nullptr;
+  }
+  const std::string f = family;
+  if (f != "" && f != "sm80" && f != "sm90") {
+    PyErr_SetString(PyExc_ValueError, ("family must be '' (the plan's), 'sm80' or 'sm90', got '" + f + "'").c_str());
     return nullptr;
   }
   if (smem_limit < 0 || head_group < 0) {
@@ -97,6 +103,7 @@ PyObject* set_test_overrides(PyObject*, PyObject* args, PyObject* kwargs) {
   g_overrides.head_group.store(head_group);
   g_overrides.num_splits.store(num_splits);
   g_overrides.record.store(record != 0);
+  g_overrides.family.store(f == "sm80" ? 1 : f == "sm90" ? 2 : 0);
   if (record == 0) {
     std::lock_guard<std::mutex> lock(fa2::host::g_recorded_mutex);
     fa2::host::g_recorded.clear();
@@ -104,7 +111,7 @@ PyObject* set_test_overrides(PyObject*, PyObject* args, PyObject* kwargs) {
   Py_RETURN_NONE;
 }
 
-const char* family_name(fa2::Family f) { return f == fa2::Family::kSm80 ? "sm80" : "?"; }
+const char* family_name(fa2::Family f) { return f == fa2::Family::kSm80 ? "sm80" : "sm90"; }
 
 // A launch plan (csrc/common/plan.h) as a dict: what the tests inspect of the host's decisions.
 PyObject* fwd_plan(const fa2::FwdPlan& plan) {
@@ -165,7 +172,8 @@ PyObject* take_recorded_launches(PyObject*, PyObject*) {
     set_item(d, "total_q", PyLong_FromLong(p.total_q)), set_item(d, "total_k", PyLong_FromLong(p.total_k));
     set_item(d, "num_splits", PyLong_FromLong(p.num_splits));
     set_item(d, "head_group", PyLong_FromLong(p.head_group));
-    if (l.kind == "fwd" || l.kind == "bwd") set_item(d, "plan", l.kind == "fwd" ? fwd_plan(l.fwd_plan) : bwd_plan(l.bwd_plan));
+    if (l.kind == "fwd") set_item(d, "plan", fwd_plan(l.fwd_plan));
+    if (l.kind == "bwd") set_item(d, "plan", bwd_plan(l.bwd_plan));
     const fa2::KvCache& c = l.kind == "kv_append" ? l.append.cache : p.cache;
     set_item(d, "cache_seqlens", ptr(c.seqlens)), set_item(d, "cache_seqlen", PyLong_FromLong(c.seqlen));
     set_item(d, "cache_appended", PyLong_FromLong(c.appended));

@@ -9,6 +9,7 @@
 #include "common/launch.h"
 #include "host/state.h"
 #include "sm80/config.h"
+#include "sm90/config.h"
 
 namespace fa2::host {
 namespace {
@@ -80,13 +81,52 @@ int head_group(const FwdParams& p, int resident_ctas, int blocks_per_head) {
   return resident_ctas > 0 ? causal_head_group(p.nheads, resident_ctas, blocks_per_head) : 1;
 }
 
+bool sm90_built(int head_dim, DType dtype) {
+#define FA2_SM90(D, T) \
+  if (head_dim == D && dtype == DType::T) return true;
+  FA2_FOR_EACH_SM90_FWD(FA2_SM90)
+#undef FA2_SM90
+  return false;
+}
+
+// TMA reads q, k and v through descriptors whose strides must be multiples of 16 bytes, even along a dimension of
+// size 1 (where the checks in host/checks.cpp let any stride through).
+bool tma_strides(const Strides& s) { return s.batch % 8 == 0 && s.row % 8 == 0 && s.head % 8 == 0; }
+
+// The family a call asks for: the test override, else FA2_FAMILY, else none (0: either; 1: sm80; 2: sm90).
+int requested_family() {
+  const int forced = g_overrides.family.load(std::memory_order_relaxed);
+  if (forced != 0) return forced;
+  static const int env = [] {
+    const char* v = std::getenv("FA2_FAMILY");
+    return v == nullptr ? 0 : std::string(v) == "sm80" ? 1 : std::string(v) == "sm90" ? 2 : 0;
+  }();
+  return env;
+}
+
+Family forward_family(const FwdParams& p, DType dtype, int head_dim, const DeviceInfo& device) {
+  if (requested_family() == 1 || !device.sm90a) return Family::kSm80;
+  const bool serves = sm90_built(head_dim, dtype) &&
+                      sm90::fwd_serves(p.head_dim, p.seqlen_q, p.cu_seqlens_q != nullptr, p.cache.capacity > 0 ||
+                                       p.cache.block_table != nullptr, p.window_left, p.window_right,
+                                       p.softcap_in > 0.f, p.alibi_slopes != nullptr, p.sink != nullptr,
+                                       p.rng_state != nullptr) &&
+                      tma_strides(p.q_stride) && tma_strides(p.k_stride) && tma_strides(p.v_stride) &&
+                      sm90::fwd_smem_bytes(sm90::fwd_tile(head_dim), head_dim) <= device.smem_limit;
+  return serves ? Family::kSm90 : Family::kSm80;
+}
+
 }  // namespace
 
 DeviceInfo device_info(const FwdParams& p) {
   if (g_overrides.record.load(std::memory_order_relaxed)) {
-    return {p.smem_limit > 0 ? p.smem_limit : INT_MAX, 0, highest_built_arch()};
+    // No GPU: the Hopper family is planned only where a test's override asks for it (and the build has its arch).
+    const int arch = highest_built_arch();
+    const bool asked = g_overrides.family.load(std::memory_order_relaxed) == 2;
+    return {p.smem_limit > 0 ? p.smem_limit : INT_MAX, 0, arch, arch >= 90 && asked};
   }
-  return {block_smem_limit(p), device_sm_count(), device_code_arch()};
+  const bool sm90a = device_cc_major() == 9 && device_attribute<cudaDevAttrComputeCapabilityMinor>("cc minor") == 0;
+  return {block_smem_limit(p), device_sm_count(), device_code_arch(), sm90a};
 }
 
 int pick_head_dim(int head_dim, DType dtype, const char* kind) {
@@ -117,9 +157,17 @@ bool reads_pages(int head_dim) { return fwd_reads_pages(head_dim); }
 
 FwdPlan plan_forward(FwdParams& p, DType dtype, int requested_splits, const DeviceInfo& device) {
   FwdPlan plan;
-  plan.family = Family::kSm80;
   plan.head_dim = pick_head_dim(p.head_dim, dtype, "fwd");
   plan.dtype = dtype;
+  plan.family = forward_family(p, dtype, plan.head_dim, device);
+  if (plan.family == Family::kSm90) {  // one tile, whole calls, its own causal order (sm90/fwd_kernel.h)
+    plan.tile = FwdTile::kMain;
+    plan.shape = sm90::fwd_tile(plan.head_dim);
+    plan.transforms = ScoreTransforms::kNone;
+    p.num_splits = plan.num_splits = 1;
+    p.head_group = plan.head_group = 0;
+    return plan;
+  }
   plan.paged = p.cache.block_table != nullptr;
   plan.pack_gqa = pack_gqa_decode(p);
   plan.tile = fwd_tile_for(plan.head_dim, p.seqlen_q, p.seqlen_k, p.causal(), p.rng_state != nullptr,

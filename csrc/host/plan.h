@@ -12,6 +12,7 @@ namespace fa2::host {
 // unlimited block, no SM count, and the build's highest arch.
 struct DeviceInfo {
   int smem_limit = 0, sm_count = 0, code_arch = 0;
+  bool sm90a = false;  // the device runs sm_90a code (compute capability 9.0) and the build has the Hopper family
 };
 DeviceInfo device_info(const FwdParams& p);
 
@@ -22,6 +23,9 @@ int pick_head_dim(int head_dim, DType dtype, const char* kind);
 // Whether the forward at this compiled head dim reads paged KV caches (sm80/config.h: fwd_reads_pages).
 bool reads_pages(int head_dim);
 
+// The family a forward runs on: the Hopper family where the device runs it and it serves the call (sm90/config.h:
+// fwd_serves), unless the FA2_FAMILY environment variable ("sm80", "sm90") or the test override says otherwise; a
+// family that does not serve a call never gets it.
 // The forward's plan. Applies it to p: GQA decode packing (seqlen_q, nheads, strides), num_splits and head_group.
 // `requested_splits` > 0 is the caller's split count (fa2.attention_with_kvcache's num_splits), used where the
 // instance can split; the test override (csrc/CONTRACT.md) wins over it.

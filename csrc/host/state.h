@@ -29,6 +29,7 @@ struct TestOverrides {
   std::atomic<int> head_group{0};  // causal grids: heads whose blocks go heaviest first together
   std::atomic<int> num_splits{0};  // forwards: split-KV's split count (sm80/config.h: fwd_num_splits), 1..kMaxSplits
   std::atomic<bool> record{false};  // record each launch's parameters instead of launching (CPU tests)
+  std::atomic<int> family{0};       // forwards: 1 the mma.sync family, 2 the Hopper family where it serves; 0 the plan's
 };
 inline TestOverrides g_overrides;
 

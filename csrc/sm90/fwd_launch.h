@@ -1,0 +1,63 @@
+// Forward: the launch of a plan (common/plan.h) on the Hopper family. Included only by the family's kernel TUs in
+// csrc/instantiations/ (sm_90a code), one (head dim, dtype) each: builds the TMA descriptors of this call's q, k and
+// v and launches one CTA per (query block, head, batch entry).
+#pragma once
+
+#include <stdexcept>
+
+#include <cuda_runtime.h>
+
+#include "common/launch.h"
+#include "common/plan.h"
+#include "sm90/api.h"
+#include "sm90/config.h"
+#include "sm90/fwd_kernel.h"
+#include "sm90/traits.h"
+
+namespace fa2::sm90 {
+
+template <int kHeadDim, DType kDType>
+void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
+  constexpr FwdTileShape kTile = fwd_tile(kHeadDim);
+  using Traits = FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, kDType>;
+  using Element = typename Traits::Element;
+  static_assert(Traits::kSmemSize <= fwd_smem_bytes(kTile, kHeadDim), "config.h sizes the tile");
+  if (plan.family != Family::kSm90 || plan.head_dim != kHeadDim || p.head_dim != kHeadDim || p.num_splits != 1) {
+    throw std::logic_error("fa2: a forward plan the Hopper family does not serve (host/plan.cpp)");
+  }
+  FwdKernelParams<Traits> k;
+  // (rows, head dim, heads, batch) with the caller's strides; V as (head dim, keys, heads, batch) for P V's operand.
+  auto shape_q = make_shape(p.seqlen_q, int32_t(kHeadDim), p.nheads, p.batch);
+  auto shape_k = make_shape(p.seqlen_k, int32_t(kHeadDim), p.nheads_k, p.batch);
+  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.q)), shape_q,
+                          make_stride(p.q_stride.row, _1{}, p.q_stride.head, p.q_stride.batch));
+  Tensor mK = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.k)), shape_k,
+                          make_stride(p.k_stride.row, _1{}, p.k_stride.head, p.k_stride.batch));
+  Tensor mVt = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.v)),
+                           make_shape(int32_t(kHeadDim), p.seqlen_k, p.nheads_k, p.batch),
+                           make_stride(_1{}, p.v_stride.row, p.v_stride.head, p.v_stride.batch));
+  k.tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Traits::SmemLayoutQ{},
+                          Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
+  k.tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename Traits::SmemLayoutK{}),
+                          Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{});
+  k.tma_v = make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename Traits::SmemLayoutVt{}),
+                          Shape<Int<kHeadDim>, Int<Traits::kBlockN>>{}, _1{});
+  k.shape_q = shape_q, k.shape_k = shape_k;
+  k.o = static_cast<Element*>(p.o);
+  k.o_row_stride = p.o_stride.row, k.o_head_stride = p.o_stride.head, k.o_batch_stride = p.o_stride.batch;
+  k.lse = p.lse;
+  k.seqlen_q = p.seqlen_q, k.seqlen_k = p.seqlen_k, k.nheads = p.nheads, k.head_group_kv = p.nheads / p.nheads_k;
+  k.scale = p.score_scale, k.scale_log2 = p.scale_log2;
+  k.causal = p.causal();
+
+  constexpr int smem = Traits::kSmemSize;
+  constexpr auto kernel = &fwd_kernel<Traits>;
+  const int limit = block_smem_limit(p);
+  if (smem > limit) throw_smem_too_small("forward", p.head_dim, smem, limit);
+  allow_smem<kernel>(smem, "sm90 fwd smem");
+  const dim3 grid(ceil_div_host(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
+  kernel<<<grid, kThreads, smem, stream>>>(k);
+  check_cuda(cudaGetLastError(), "sm90 fwd launch");
+}
+
+}  // namespace fa2::sm90

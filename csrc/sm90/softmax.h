@@ -1,0 +1,75 @@
+// The online softmax on a warpgroup's accumulator rows (fa2.reference.flash_fwd_tiled's m, l, acc): each thread holds
+// two rows, each spread over the four lanes of a quad (utils.h: rowcol).
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+namespace fa2::sm90 {
+using namespace cute;
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 2);
+  return x + __shfl_xor_sync(0xffffffff, x, 1);
+}
+
+template <int kRows>
+struct OnlineSoftmax {
+  float m[kRows], l[kRows];  // running max of raw scores; this thread's share of the running sum (summed at the end)
+
+  __device__ __forceinline__ OnlineSoftmax() {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) m[r] = -INFINITY, l[r] = 0.f;
+  }
+
+  // s (rows, columns) holds a key block's raw scores (masked ones -inf); they become unnormalised probabilities
+  // exp2(s * scale_log2 - m * scale_log2), and acc_o (rows, columns) is rescaled to the new max. A row that has seen
+  // only masked scores keeps m = -inf; its exponent base is taken as 0 so nothing becomes NaN.
+  template <bool kFirst, class TensorS, class TensorO>
+  __device__ __forceinline__ void update(TensorS& s, TensorO& acc_o, float scale_log2) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float row_max = m[r];
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) row_max = fmaxf(row_max, s(r, c));
+      row_max = quad_max(row_max);
+      const float base = row_max == -INFINITY ? 0.f : row_max * scale_log2;
+      if constexpr (!kFirst) {
+        const float rescale = exp2f(m[r] * scale_log2 - base);  // m = -inf: 0, and acc_o and l are 0 anyway
+        l[r] *= rescale;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(acc_o); ++c) acc_o(r, c) *= rescale;
+      }
+      m[r] = row_max;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        s(r, c) = exp2f(s(r, c) * scale_log2 - base);
+        sum += s(r, c);
+      }
+      l[r] += sum;
+    }
+  }
+
+  // Normalises acc_o and returns each row's lse = m * scale + log(l) (natural log; scale: what the scores are scaled
+  // by); rows without a visible key: O = 0, lse = -inf.
+  template <class TensorO>
+  __device__ __forceinline__ void finalize(TensorO& acc_o, float scale, float (&lse)[kRows]) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = quad_sum(l[r]);
+      const bool empty = sum == 0.f || sum != sum;
+      const float inv = empty ? 0.f : 1.f / sum;
+      lse[r] = empty ? -INFINITY : m[r] * scale + __logf(sum);
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(acc_o); ++c) acc_o(r, c) *= inv;
+    }
+  }
+};
+
+}  // namespace fa2::sm90

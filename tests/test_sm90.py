@@ -1,0 +1,103 @@
+"""The Hopper forward family (csrc/sm90/, GPU): asked for, it runs every call it serves (padded q, k, v at head dims
+64, 128 and 256, full or causal, MHA/GQA/MQA, any lengths) on an sm90 device whose build has it, and the plan falls
+back to the mma.sync family everywhere else; either way the result meets the fp64 reference rule. The kernel names in
+a profile say which family ran. CPU (record mode): the plan's family."""
+import pytest
+import torch
+
+import fa2
+from fa2 import ops
+
+from test_fwd import check_fwd, randn
+
+
+def hopper_expected():
+    """Whether this build and device run the Hopper family."""
+    return "sm90" in fa2.build_info().get("families", []) and torch.cuda.get_device_capability() == (9, 0)
+
+
+def kernel_names(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if "fa2" in e.name and "kernel" in e.name}
+
+
+SHAPES = [(1, 1), (113, 203), (128, 128), (1000, 1000), (2048, 1023), (1023, 2048)]
+HEADS = [(2, 4, 4), (1, 8, 1), (1, 16, 2)]
+GRID = [(d, sq, sk, b, h, hk) for d in (64, 128, 256) for sq, sk in SHAPES for b, h, hk in HEADS
+        if sq * sk * h <= 2048 * 1024 * 8 or d != 256]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d,sq,sk,b,h,hk", GRID, ids=["d{}_{}x{}_b{}_h{}kv{}".format(*g) for g in GRID])
+def test_hopper_forward_matches_the_reference(d, sq, sk, b, h, hk, dtype, causal, launch_overrides):
+    launch_overrides(family="sm90")
+    q, k, v = randn(b, sq, h, d, dtype=dtype), randn(b, sk, hk, d, dtype=dtype), randn(b, sk, hk, d, dtype=dtype)
+    check_fwd(q, k, v, causal=causal, tag=f"sm90 d{d} {sq}x{sk} h{h}/{hk} causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_the_family_that_runs_is_the_one_planned(d, launch_overrides):
+    q, k, v = (randn(2, 300, 4, d) for _ in range(3))
+    launch_overrides(family="sm90")
+    names = kernel_names(lambda: fa2.fwd(q, k, v, causal=True))
+    hopper = any("sm90" in n for n in names)
+    assert hopper == hopper_expected(), names
+    launch_overrides(family="sm80")
+    assert not any("sm90" in n for n in kernel_names(lambda: fa2.fwd(q, k, v, causal=True)))
+    # What the family does not serve (here a window) falls back by the plan, never by error.
+    launch_overrides(family="sm90")
+    names = kernel_names(lambda: fa2.fwd(q, k, v, window_size=(64, 0)))
+    assert names and not any("sm90" in n for n in names), names
+
+
+@pytest.mark.gpu
+def test_hopper_forward_reads_strided_views(launch_overrides):
+    """q, k and v as slices of one packed (batch, seqlen, 3, heads, d) tensor: TMA reads the caller's strides."""
+    launch_overrides(family="sm90")
+    qkv = randn(2, 257, 3, 4, 128)
+    q, k, v = qkv.unbind(2)
+    check_fwd(q, k, v, causal=True, tag="sm90 packed qkv")
+
+
+@pytest.mark.gpu
+def test_hopper_training_step_matches_the_mma_sync_one(launch_overrides):
+    """fa2.attention's backward (mma.sync) takes the Hopper forward's out and lse: gradients agree with an all-sm80
+    step to rounding."""
+    q, k, v = (randn(2, 512, 8, 128).requires_grad_() for _ in range(3))
+    grads = {}
+    for family in ("sm80", "sm90"):
+        launch_overrides(family=family)
+        out = fa2.attention(q, k, v, causal=True)
+        grads[family] = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    for name, a, b in zip("qkv", grads["sm80"], grads["sm90"]):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=f"d{name}")
+
+
+def test_the_plan_names_the_family(recording, launch_overrides):
+    """Record mode: the mma.sync family unless a test asks for the Hopper one, which it gets only where this build
+    compiled it and the call is one it serves."""
+    built = ops._C.build_info()
+    d = min(set(built["fwd_head_dims"]) & {64, 128, 256})  # a head dim both families may have
+    q, k, v = (torch.randn(1, 256, 4, d, dtype=torch.bfloat16) for _ in range(3))
+    fa2.fwd(q, k, v)
+    assert recording.calls[-1][1]["plan"]["family"] == "sm80"
+    launch_overrides(record=True, family="sm90")
+    fa2.fwd(q, k, v, causal=True)
+    hopper = "sm90" in built["families"]
+    plan = recording.calls[-1][1]["plan"]
+    assert plan["family"] == ("sm90" if hopper else "sm80")
+    fa2.fwd(q, k, v, softcap=30.0)
+    assert recording.calls[-1][1]["plan"]["family"] == "sm80"  # softcap: not served yet
+
+
+def test_a_family_override_must_name_a_family():
+    if ops._C is None:
+        pytest.skip("fa2._C is not built")
+    with pytest.raises(ValueError, match="family"):
+        ops._C.set_test_overrides(family="sm70")
+    ops._C.set_test_overrides()
