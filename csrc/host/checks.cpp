@@ -15,18 +15,16 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include "common/launch.h"
+#include "host/dispatch.h"
 #include "sm80/config.h"  // kPageRows: a paged cache's page size
-
-// In libtorch_cuda, which CPU-only builds of torch lack: weak, so that the module still imports there (CI).
-extern "C" __attribute__((weak)) AOTITorchError aoti_torch_get_current_cuda_stream(int32_t device_index, void** ret);
 
 namespace fa2::host {
 
 using torch::headeronly::ScalarType;
 
 // ------------------------------------------------------------------------------------------- messages
-[[noreturn]] void value_error(const std::string& msg) { throw std::invalid_argument(msg); }
-[[noreturn]] void type_error(const std::string& msg) { throw std::invalid_argument("TypeError: " + msg); }
+void value_error(const std::string& msg) { throw std::invalid_argument(msg); }
+void type_error(const std::string& msg) { throw std::invalid_argument("TypeError: " + msg); }
 
 std::string str(Ints a) {  // as Python prints a tuple
   std::string s = "(";
@@ -294,17 +292,16 @@ void check_cu_seqlens(const Tensor& q, const Tensor& k, const Tensor& cu_q, cons
   const int64_t n = cu_q.numel();
   std::vector<int> values(2 * n);
   if (cu_q.is_cuda()) {
-    if (aoti_torch_get_current_cuda_stream == nullptr) return;
-    void* stream = nullptr;
     torch::stable::accelerator::DeviceGuard guard(cu_q.get_device_index());
-    if (aoti_torch_get_current_cuda_stream(cu_q.get_device_index(), &stream) != 0) return;
+    const std::optional<cudaStream_t> stream = torch_stream(cu_q.get_device_index());
+    if (!stream) return;
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capturing) != cudaSuccess ||
+    if (cudaStreamIsCapturing(*stream, &capturing) != cudaSuccess ||
         capturing != cudaStreamCaptureStatusNone) {
       cudaGetLastError();
       return;
     }
-    auto s = static_cast<cudaStream_t>(stream);
+    const cudaStream_t s = *stream;
     check_cuda(cudaMemcpyAsync(values.data(), cu_q.data_ptr(), n * sizeof(int), cudaMemcpyDeviceToHost, s), "cu_seqlens_q");
     check_cuda(cudaMemcpyAsync(values.data() + n, cu_k.data_ptr(), n * sizeof(int), cudaMemcpyDeviceToHost, s), "cu_seqlens_k");
     check_cuda(cudaStreamSynchronize(s), "reading cu_seqlens");

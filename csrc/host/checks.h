@@ -13,13 +13,13 @@
 
 #include <torch/csrc/stable/tensor.h>
 
+#include "host/errors.h"
+
 namespace fa2::host {
 
 using torch::stable::Tensor;
 using Ints = torch::headeronly::IntHeaderOnlyArrayRef;
 
-[[noreturn]] void value_error(const std::string& msg);
-[[noreturn]] void type_error(const std::string& msg);
 std::string str(Ints a);  // as Python prints a tuple
 std::string str(double x);  // as Python's repr
 std::string device_str(const Tensor& t);

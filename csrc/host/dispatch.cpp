@@ -39,11 +39,11 @@ void check_gpu(int device) {
 }
 
 cudaStream_t current_stream(int device) {
-  void* stream = nullptr;
-  if (aoti_torch_get_current_cuda_stream == nullptr || aoti_torch_get_current_cuda_stream(device, &stream) != 0) {
+  const std::optional<cudaStream_t> stream = torch_stream(device);
+  if (!stream) {
     throw std::runtime_error("fa2: cannot get the current CUDA stream from torch (is this a CUDA build of torch?)");
   }
-  return static_cast<cudaStream_t>(stream);
+  return *stream;
 }
 
 // FA2_NVTX=1: an NVTX range around every launch (fa2.fwd / fa2.bwd), for Nsight timelines and `ncu --nvtx`. Off by
@@ -63,6 +63,14 @@ struct NvtxRange {
 };
 
 }  // namespace
+
+std::optional<cudaStream_t> torch_stream(int device) {
+  void* stream = nullptr;
+  if (aoti_torch_get_current_cuda_stream == nullptr || aoti_torch_get_current_cuda_stream(device, &stream) != 0) {
+    return std::nullopt;
+  }
+  return static_cast<cudaStream_t>(stream);
+}
 
 // In record mode (CPU tests) the launch is recorded before the device checks, so CPU tensors go through.
 bool recording() { return g_overrides.record.load(std::memory_order_relaxed); }

@@ -40,26 +40,12 @@ PyObject* build_info(PyObject*, PyObject*) {
   PyObject* info = PyDict_New();
   set_item(info, "version", PyUnicode_FromString(FA2_VERSION));
   set_item(info, "cuda_version", PyUnicode_FromString(FA2_CUDA_VERSION));
-  std::vector<int> archs;
-  const std::string a = FA2_CUDA_ARCHS;
-  for (size_t pos = 0; pos < a.size();) {
-    size_t end = a.find(';', pos);
-    if (end == std::string::npos) end = a.size();
-    if (end > pos) archs.push_back(std::stoi(a.substr(pos, end - pos)));  // "90a" / "90-real" parse as 90
-    pos = end + 1;
-  }
-  set_item(info, "archs", int_list(archs));
+  set_item(info, "archs", int_list(fa2::host::built_archs()));
   PyObject* families = PyList_New(0);  // the kernel families compiled (csrc/instantiations/axes.json)
-  const std::string f = FA2_FAMILIES;
-  for (size_t pos = 0; pos < f.size();) {
-    size_t end = f.find(';', pos);
-    if (end == std::string::npos) end = f.size();
-    if (end > pos) {
-      PyObject* item = PyUnicode_FromString(f.substr(pos, end - pos).c_str());
-      PyList_Append(families, item);
-      Py_DECREF(item);
-    }
-    pos = end + 1;
+  for (const std::string& family : fa2::host::build_list(FA2_FAMILIES)) {
+    PyObject* item = PyUnicode_FromString(family.c_str());
+    PyList_Append(families, item);
+    Py_DECREF(item);
   }
   set_item(info, "families", families);
   set_item(info, "fwd_head_dims", int_list(head_dims(fa2::host::kFwdInstances)));

@@ -117,9 +117,9 @@ void fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v
 }
 
 // The launch of a forward whose parameters are filled: its plan (GQA decode packing, the tile, split-KV's count:
-// `forced_splits` if > 0, where the instance can split) and split-KV's workspaces.
-void launch_forward(FwdParams& p, const Tensor& q, const Tensor& lse, DType dtype, int forced_splits) {
-  const FwdPlan plan = plan_forward(p, dtype, forced_splits, device_info(p));
+// `forced_splits` if > 0, where the instance can split) and split-KV's workspaces. kernel_dim: pick_head_dim's.
+void launch_forward(FwdParams& p, const Tensor& q, const Tensor& lse, DType dtype, int kernel_dim, int forced_splits) {
+  const FwdPlan plan = plan_forward(p, dtype, kernel_dim, forced_splits, device_info(p));
   std::optional<Tensor> o_partial, lse_partial;  // split-KV's workspaces, alive until the launches are queued
   if (p.num_splits > 1) {
     p.lse_rows = lse.numel();
@@ -146,7 +146,7 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
                    {"alibi_slopes", f.alibi_slopes}, {"rng_state", f.dropout_p > 0.0 ? f.rng_state : nullptr}});
   }
   const DType dtype = to_dtype(q.scalar_type());
-  pick_head_dim(int(q.size(-1)), dtype, "fwd");  // its error before any allocation
+  const int kernel_dim = pick_head_dim(int(q.size(-1)), dtype, "fwd");  // its error before any allocation
   std::optional<torch::stable::accelerator::DeviceGuard> guard;
   if (q.is_cuda()) guard.emplace(q.get_device_index());
   Tensor out = out_buffer ? *out_buffer : new_like(q);
@@ -161,7 +161,7 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
   }
   FwdParams p;
   fill_common(p, q, k, v, out, lse, s, softmax_scale, causal, f, cu_q, cu_k);
-  launch_forward(p, q, lse, dtype, 0);
+  launch_forward(p, q, lse, dtype, kernel_dim, 0);
   return {out, lse};
 }
 
@@ -186,7 +186,8 @@ std::tuple<Tensor, Tensor> fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache,
                    {"block_table", opt(block_table)}, {"sink", f.sink}, {"alibi_slopes", f.alibi_slopes}});
   }
   const DType dtype = to_dtype(q.scalar_type());
-  if (block_table && !reads_pages(pick_head_dim(int(q.size(-1)), dtype, "fwd"))) {
+  const int kernel_dim = pick_head_dim(int(q.size(-1)), dtype, "fwd");
+  if (block_table && !reads_pages(kernel_dim)) {
     value_error("a paged KV cache (block_table) needs head_dim 64, 128, 224 or 256 (the kernels with a 64-row tile), "
                 "got " + std::to_string(q.size(-1)) + ": use a cache with one entry per sequence (cache_batch_idx "
                 "picks them), or zero-pad the head dim");
@@ -231,7 +232,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache,
   FwdParams p;
   fill_common(p, q, k_cache, v_cache, out, lse, s, softmax_scale, causal, f, nullptr, nullptr);
   p.cache = cache;
-  launch_forward(p, q, lse, dtype, int(num_splits));
+  launch_forward(p, q, lse, dtype, kernel_dim, int(num_splits));
   return {out, lse};
 }
 
@@ -259,7 +260,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
                    {"alibi_slopes", f.alibi_slopes}, {"rng_state", f.dropout_p > 0.0 ? f.rng_state : nullptr}});
   }
   const DType dtype = to_dtype(q.scalar_type());
-  pick_head_dim(int(q.size(-1)), dtype, "bwd");  // its error before any allocation
+  const int kernel_dim = pick_head_dim(int(q.size(-1)), dtype, "bwd");  // its error before any allocation
   std::optional<torch::stable::accelerator::DeviceGuard> guard;
   if (q.is_cuda()) guard.emplace(q.get_device_index());
   // Gradients often arrive transposed or broadcast: copied where the kernels could not load them.
@@ -295,7 +296,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
   p.dk_stride = strides_of(dk_heads), p.dv_stride = strides_of(dv_heads);
   p.deterministic = deterministic;
   p.dkv_fp32 = grouped;
-  const BwdPlan plan = plan_backward(p, dtype, device_info(p));
+  const BwdPlan plan = plan_backward(p, dtype, kernel_dim, device_info(p));
   launch_bwd(p, plan, q.get_device_index());
   if (grouped) {
     const int64_t group = nheads / nheads_k;

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/launch.h"
+#include "host/errors.h"
 #include "host/state.h"
 #include "sm80/config.h"
 #include "sm90/config.h"
@@ -14,18 +15,10 @@
 namespace fa2::host {
 namespace {
 
-[[noreturn]] void value_error(const std::string& msg) { throw std::invalid_argument(msg); }
-
-// The highest arch this build compiled for (fa2_build_config.h's "80;90" -> 90).
+// The highest arch this build compiled for ("80;90" -> 90).
 int highest_built_arch() {
-  const std::string archs = FA2_CUDA_ARCHS;
   int best = 0;
-  for (size_t pos = 0; pos < archs.size();) {
-    size_t end = archs.find(';', pos);
-    if (end == std::string::npos) end = archs.size();
-    if (end > pos) best = std::max(best, std::atoi(archs.substr(pos, end - pos).c_str()));
-    pos = end + 1;
-  }
+  for (int arch : built_archs()) best = std::max(best, arch);
   return best;
 }
 
@@ -155,9 +148,9 @@ int pick_head_dim(int head_dim, DType dtype, const char* kind) {
 
 bool reads_pages(int head_dim) { return fwd_reads_pages(head_dim); }
 
-FwdPlan plan_forward(FwdParams& p, DType dtype, int requested_splits, const DeviceInfo& device) {
+FwdPlan plan_forward(FwdParams& p, DType dtype, int head_dim, int requested_splits, const DeviceInfo& device) {
   FwdPlan plan;
-  plan.head_dim = pick_head_dim(p.head_dim, dtype, "fwd");
+  plan.head_dim = head_dim;
   plan.dtype = dtype;
   plan.family = forward_family(p, dtype, plan.head_dim, device);
   if (plan.family == Family::kSm90) {  // one tile, whole calls, its own causal order (sm90/fwd_kernel.h)
@@ -183,10 +176,10 @@ FwdPlan plan_forward(FwdParams& p, DType dtype, int requested_splits, const Devi
   return plan;
 }
 
-BwdPlan plan_backward(BwdParams& p, DType dtype, const DeviceInfo& device) {
+BwdPlan plan_backward(BwdParams& p, DType dtype, int head_dim, const DeviceInfo& device) {
   BwdPlan plan;
   plan.family = Family::kSm80;
-  plan.head_dim = pick_head_dim(p.head_dim, dtype, "bwd");
+  plan.head_dim = head_dim;
   plan.dtype = dtype;
   plan.tile = bwd_tile_for(plan.head_dim, device.smem_limit, device.code_arch >= 90);
   plan.shape = bwd_tile_shape(plan.tile, plan.head_dim);

@@ -29,9 +29,10 @@ bool reads_pages(int head_dim);
 // The forward's plan. Applies it to p: GQA decode packing (seqlen_q, nheads, strides), num_splits and head_group.
 // `requested_splits` > 0 is the caller's split count (fa2.attention_with_kvcache's num_splits), used where the
 // instance can split; the test override (csrc/CONTRACT.md) wins over it.
-FwdPlan plan_forward(FwdParams& p, DType dtype, int requested_splits, const DeviceInfo& device);
+// head_dim: the compiled head dim pick_head_dim chose for the call.
+FwdPlan plan_forward(FwdParams& p, DType dtype, int head_dim, int requested_splits, const DeviceInfo& device);
 
 // The backward's plan; sets p.head_group.
-BwdPlan plan_backward(BwdParams& p, DType dtype, const DeviceInfo& device);
+BwdPlan plan_backward(BwdParams& p, DType dtype, int head_dim, const DeviceInfo& device);
 
 }  // namespace fa2::host
