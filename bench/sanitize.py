@@ -10,7 +10,7 @@ configurations of consumer GPUs (csrc/sm80/config.h), padded and packed: d256's 
 The last two cases are split (split-KV, fwd_combine.h). Last, the cases again with a sliding window (blocks skipped
 on both sides, rows that see no key), softcap, ALiBi, dropout and sinks; --features runs only those, then once more
 on 99 KB configurations. First, KV-cache calls (fa2.attention_with_kvcache), paged and not, with index values out of
-range. Before them, the Hopper forward (csrc/sm90/) where the build and GPU have it.
+range. Before them, the Hopper forward (csrc/sm90/) where the build and GPU have it; --hopper runs only that.
 """
 import sys
 
@@ -109,9 +109,11 @@ def run_kvcache():
 
 # The Hopper forward (csrc/sm90/: TMA, mbarrier pipelines, wgmma) on every case it serves, each family forced in
 # turn where the build has it: ragged tails in both sequence lengths, GQA, rows that see no key (causal, seqlen_q >
-# seqlen_k), and q, k, v as strided views of one packed tensor.
+# seqlen_k), q, k, v as strided views of one packed tensor, and more tiles than SMs (a persistent CTA's second tile
+# reuses the shared memory of its first; with empty tiles between).
 HOPPER_CASES = [(1, 77, 133, 4, 2, 64, True), (2, 130, 61, 2, 1, 64, True), (1, 200, 200, 2, 2, 256, True),
-                (1, 1030, 100, 2, 2, 256, False), (1, 129, 257, 8, 1, 128, False), (2, 300, 80, 2, 2, 128, True)]
+                (1, 1030, 100, 2, 2, 256, False), (1, 129, 257, 8, 1, 128, False), (2, 300, 80, 2, 2, 128, True),
+                (2, 1030, 300, 8, 2, 64, True), (1, 2100, 2100, 8, 8, 128, False)]
 
 
 def run_hopper():
@@ -128,6 +130,8 @@ def run_hopper():
 
 dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)
 run_hopper()
+if "--hopper" in sys.argv:
+    sys.exit(0)
 run_kvcache()
 if not features_only:
     run_cases(CASES, VARLEN[:1] if quick else VARLEN, dtypes)

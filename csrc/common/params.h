@@ -76,6 +76,9 @@ struct FwdParams {
   float* o_partial = nullptr;    // (num_splits, lse_rows, head_dim) fp32
   float* lse_partial = nullptr;  // (num_splits, lse_rows) fp32
 
+  // The Hopper forward's tile counter (sm90/tile_scheduler.h): one int32 that its launch zeroes.
+  int* tile_counter = nullptr;
+
   // Packed variable-length batches (both nullptr for padded ones): sequence b owns tokens
   // [cu_seqlens_q[b], cu_seqlens_q[b+1]) of (total_q, nheads, head_dim) q/o and likewise of k/v. Then the
   // strides' batch field is 0, seqlen_q/seqlen_k are the longest lengths (they size the grid), causal is

@@ -121,6 +121,11 @@ void fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v
 void launch_forward(FwdParams& p, const Tensor& q, const Tensor& lse, DType dtype, int kernel_dim, int forced_splits) {
   const FwdPlan plan = plan_forward(p, dtype, kernel_dim, forced_splits, device_info(p));
   std::optional<Tensor> o_partial, lse_partial;  // split-KV's workspaces, alive until the launches are queued
+  std::optional<Tensor> tile_counter;            // the Hopper forward's (sm90/tile_scheduler.h)
+  if (plan.family == Family::kSm90) {
+    tile_counter = new_tensor(q, {1}, ScalarType::Int);
+    p.tile_counter = static_cast<int*>(tile_counter->data_ptr());
+  }
   if (p.num_splits > 1) {
     p.lse_rows = lse.numel();
     lse_partial = new_tensor(q, {p.num_splits, p.lse_rows}, ScalarType::Float);

@@ -2,8 +2,9 @@
 // runtime head dim that the host's launch plan (host/plan.cpp) and the launch (fwd_launch.h) both read, and what the
 // family serves. A call it does not serve runs on the mma.sync family, by the plan.       docs/tuning.md#sm90-forward
 //
-// One CTA = a producer warpgroup (one warp issues the TMA loads of Q once and of K and V through a `kStages` ring) and
-// two consumer warpgroups of 64 query rows each (wgmma: S = Q K^T from shared memory, O += P V with P from registers).
+// One persistent CTA per SM = a producer warpgroup (one thread draws the tiles and issues the TMA loads of Q once per
+// tile and of K and V through a `kStages` ring) and two consumer warpgroups of 64 query rows each (wgmma: S = Q K^T
+// from shared memory, O += P V with P from registers), taking turns at the tensor cores.
 // 128 x 128 tiles at d64 and d128; at d256 128 x 80, the widest key block whose two K/V stages and Q fit in 227 KB.
 #pragma once
 

@@ -1,6 +1,6 @@
-// The Hopper forward for one 128-row query block (fa2.reference.flash_fwd_tiled), warp-specialized: warpgroup 0
-// loads, warpgroups 1 and 2 compute 64 rows each. Key blocks go from the last visible one down, so the blocks that
-// need masks come first.
+// The Hopper forward (fa2.reference.flash_fwd_tiled), warp-specialized and persistent: warpgroup 0 draws the tiles
+// (tile_scheduler.h) and loads, warpgroups 1 and 2 compute 64 query rows each of a 128-row query block. Key blocks
+// go from the last visible one down, so the blocks that need masks come first.       docs/tuning.md#sm90-forward
 //
 // Names: g* global tiles, s* shared, t*r* register fragments partitioned by an MMA (tSr: of S = Q K^T, tOr: of
 // O = P V); m: a query row block, n: a key block.
@@ -13,6 +13,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "sm90/softmax.h"
+#include "sm90/tile_scheduler.h"
 #include "sm90/traits.h"
 #include "sm90/utils.h"
 
@@ -28,6 +29,35 @@ __device__ __forceinline__ int key_blocks_end(int m_block, int seqlen_q, int seq
   return end;
 }
 
+// Ping-pong between the consumer warpgroups: each issues its GEMMs only in its turn (named barrier 1 or 2, beyond
+// CUTLASS's reserved ones) and hands the turn over once they are issued, so the tensor cores run one warpgroup's
+// GEMMs while the other one's softmax runs on the FP32 units.
+struct PingPong {
+  int turn, other;  // this warpgroup's barrier and the other one's
+  __device__ __forceinline__ explicit PingPong(int consumer) : turn(1 + consumer), other(2 - consumer) {}
+  __device__ __forceinline__ void wait() const {
+    cutlass::arch::NamedBarrier::sync(2 * kWarpgroupThreads, turn);
+  }
+  __device__ __forceinline__ void pass() const {
+    cutlass::arch::NamedBarrier::arrive(2 * kWarpgroupThreads, other);
+  }
+  // Warpgroup 1 goes first: it arrives on its own barrier once, which its first wait completes.
+  __device__ __forceinline__ void take_first_turn() const {
+    cutlass::arch::NamedBarrier::arrive(2 * kWarpgroupThreads, turn);
+  }
+};
+
+// A tile index handed from the producer to the consumers through shared memory: the mbarrier's arrive releases it
+// and its wait acquires it, and the compiler must not move the access across them (their asm names no memory).
+__device__ __forceinline__ void publish_tile(int& slot, int t) {
+  *reinterpret_cast<volatile int*>(&slot) = t;
+  asm volatile("" ::: "memory");
+}
+__device__ __forceinline__ int read_tile(const int& slot) {
+  asm volatile("" ::: "memory");
+  return *reinterpret_cast<const volatile int*>(&slot);
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT FwdKernelParams<Traits> const p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -38,16 +68,16 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
   const int warp = cutlass::canonical_warp_idx_sync();
   const int warpgroup = cutlass::canonical_warp_group_idx();
-  // Causal grids go heaviest block first: the last query blocks see the most keys.
-  const int m_block = p.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.head_group_kv;
-  const int n_end = key_blocks_end<kBlockM, kBlockN>(m_block, p.seqlen_q, p.seqlen_k, p.causal);
+  const TileScheduler scheduler = p.scheduler;
+  const int num_tiles = scheduler.num_tiles();
 
   if (warp == 0 && cute::elect_one_sync()) {
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
     shared.q_full.init(1);
+    shared.q_empty.init(Traits::kConsumerThreads);
+    for (int i = 0; i < 2; ++i) shared.tile_full[i].init(1), shared.tile_empty[i].init(Traits::kConsumerThreads);
   }
   // K and V have a pipeline each (a stage is released once the GEMM that reads it has retired), advanced together.
   typename Pipeline::Params pipe_params;
@@ -67,37 +97,67 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
   if (warpgroup == 0) {
     // ------------------------------------------------------------------------------------------ producer
     cutlass::arch::warpgroup_reg_dealloc<24>();  // the loads need few registers; the consumers get them
-    if (warp != 0 || !cute::elect_one_sync() || n_end <= 0) return;
-    Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, batch);                             // (seqlen_q, d)
-    Tensor mK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, batch);                          // (seqlen_k, d)
+    if (warp != 0 || !cute::elect_one_sync()) return;
     auto shape_vt = make_shape(get<1>(p.shape_k), get<0>(p.shape_k), get<2>(p.shape_k), get<3>(p.shape_k));
-    Tensor mVt = p.tma_v.get_tma_tensor(shape_vt)(_, _, head_kv, batch);                          // (d, seqlen_k)
-    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
-    Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));        // (N, d, n)
-    Tensor gVt = local_tile(mVt, Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(_0{}, _));      // (d, N, n)
-    auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt),
-                                      group_modes<0, 2>(gVt));
-    shared.q_full.arrive_and_expect_tx(Traits::kBytesQ);
-    copy(p.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full), 0, TMA::CacheHintSm90::EVICT_FIRST), tQgQ, tQsQ);
-    auto stage = cutlass::make_producer_start_state<Pipeline>();
-    for (int n = n_end - 1; n >= 0; --n, ++stage) {
-      k_pipe.producer_acquire(stage);  // waits for the stage to be free, then expects its bytes
-      copy(p.tma_k.with(*k_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tKgK(_, n),
-           tKsK(_, stage.index()));
-      v_pipe.producer_acquire(stage);
-      copy(p.tma_v.with(*v_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tVgV(_, n),
-           tVsV(_, stage.index()));
+    auto k_stage = cutlass::make_producer_start_state<Pipeline>();
+    auto v_stage = k_stage;
+    int q_loads = 0;
+    for (int i = 0, t = blockIdx.x;; ++i) {
+      // Publish tile t in slot i % 2 (a tile past the end tells the consumers to stop), and draw the next.
+      if (i >= 2) shared.tile_empty[i & 1].wait(((i >> 1) - 1) & 1);
+      publish_tile(shared.tiles[i & 1], t);
+      shared.tile_full[i & 1].arrive();
+      if (t >= num_tiles) break;
+      const int next = atomicAdd(p.tile_counter, 1) + int(gridDim.x);
+      const WorkTile w = scheduler.tile(t);
+      t = next;
+      const int head_kv = w.head / p.head_group_kv;
+      const int n_end = key_blocks_end<kBlockM, kBlockN>(w.m_block, p.seqlen_q, p.seqlen_k, scheduler.causal);
+      if (n_end <= 0) continue;  // the consumers write this tile's empty rows without loads
+      Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, w.head, w.batch);   // (seqlen_q, d)
+      Tensor mK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, w.batch);  // (seqlen_k, d)
+      Tensor mVt = p.tma_v.get_tma_tensor(shape_vt)(_, _, head_kv, w.batch);  // (d, seqlen_k)
+      Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(w.m_block, _0{}));
+      Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));    // (N, d, n)
+      Tensor gVt = local_tile(mVt, Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (d, N, n)
+      auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt),
+                                        group_modes<0, 2>(gVt));
+      auto load_k = [&](int n) {
+        k_pipe.producer_acquire(k_stage);  // waits for the stage to be free, then expects its bytes
+        copy(p.tma_k.with(*k_pipe.producer_get_barrier(k_stage), 0, TMA::CacheHintSm90::EVICT_LAST), tKgK(_, n),
+             tKsK(_, k_stage.index()));
+        ++k_stage;
+      };
+      auto load_v = [&](int n) {
+        v_pipe.producer_acquire(v_stage);
+        copy(p.tma_v.with(*v_pipe.producer_get_barrier(v_stage), 0, TMA::CacheHintSm90::EVICT_LAST), tVgV(_, n),
+             tVsV(_, v_stage.index()));
+        ++v_stage;
+      };
+      // Q waits for the consumers' last Q K^T of the previous tile; K and V may already stream in.
+      if (q_loads > 0) shared.q_empty.wait((q_loads - 1) & 1);
+      shared.q_full.arrive_and_expect_tx(Traits::kBytesQ);
+      copy(p.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full), 0, TMA::CacheHintSm90::EVICT_FIRST), tQgQ, tQsQ);
+      ++q_loads;
+      // The order the consumers use them in: K of block n before V of block n + 1 (whose P V runs under Q K_n^T).
+      load_k(n_end - 1);
+      for (int n = n_end - 2; n >= 0; --n) {
+        load_k(n);
+        load_v(n + 1);
+      }
+      load_v(0);
     }
-    k_pipe.producer_tail(stage);  // no exit while loads into this CTA's shared memory are in flight
-    v_pipe.producer_tail(stage);
+    k_pipe.producer_tail(k_stage);  // no exit while loads into this CTA's shared memory are in flight
+    v_pipe.producer_tail(v_stage);
     return;
   }
 
   // ------------------------------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<240>();
   const int thread = threadIdx.x - kWarpgroupThreads;
+  const PingPong pingpong(warpgroup - 1);
   typename Traits::TiledMmaS mma_s;
   typename Traits::TiledMmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(thread);
@@ -105,69 +165,112 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
   Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // shared-memory descriptors
   Tensor tSrK = thr_s.partition_fragment_B(sK);   // (..., stage)
   Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (..., stage)
-  Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  Tensor acc_o = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
   // Each register's (row, column) in the S tile and in the O tile, for the masks and the epilogue.
   Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor cS_rc = make_tensor(cS.data(), rowcol(cS.layout()));
   Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), rowcol(cO.layout()));
+  Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor acc_o = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
   constexpr int kRows = decltype(size<0>(acc_o))::value;
   OnlineSoftmax<kRows> softmax;
-  clear(tOrO);
-
   const int diagonal = p.seqlen_k - p.seqlen_q;
-  const int first_row = m_block * kBlockM;
   typename Traits::PipelineState stage;
-  if (n_end > 0) shared.q_full.wait(0);
-  for (int n = n_end - 1; n >= 0; --n, ++stage) {
-    // S = Q K^T for this key block.
-    Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    k_pipe.consumer_wait(stage);
-    warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/0>(mma_s, tSrQ, tSrK(_, _, _, stage.index()), tSrS);
-    k_pipe.consumer_release(stage);
-    Tensor s = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+  int q_loads = 0;
+  if (warpgroup == 1) pingpong.take_first_turn();
+
+  for (int i = 0;; ++i) {
+    shared.tile_full[i & 1].wait((i >> 1) & 1);
+    const int t = read_tile(shared.tiles[i & 1]);
+    shared.tile_empty[i & 1].arrive();
+    if (t >= num_tiles) break;
+    const WorkTile w = scheduler.tile(t);
+    const int n_end = key_blocks_end<kBlockM, kBlockN>(w.m_block, p.seqlen_q, p.seqlen_k, scheduler.causal);
+    const int first_row = w.m_block * kBlockM;
+    clear(tOrO);
+    softmax.reset();
+
     // Masks: keys past seqlen_k (TMA brought zeros there), and for causal keys right of a row's diagonal.
-    const int key0 = n * kBlockN;
-    if (key0 + kBlockN > p.seqlen_k || (p.causal && key0 + kBlockN - 1 > first_row + diagonal)) {
-      CUTE_UNROLL
-      for (int r = 0; r < size<0>(s); ++r) {
-        const int key_end = min(p.seqlen_k, p.causal ? first_row + get<0>(cS_rc(r, 0)) + diagonal + 1 : p.seqlen_k);
+    auto mask = [&](auto& s, int n) {
+      const int key0 = n * kBlockN;
+      if (key0 + kBlockN > p.seqlen_k || (scheduler.causal && key0 + kBlockN - 1 > first_row + diagonal)) {
         CUTE_UNROLL
-        for (int c = 0; c < size<1>(s); ++c) {
-          if (key0 + get<1>(cS_rc(r, c)) >= key_end) s(r, c) = -INFINITY;
+        for (int r = 0; r < size<0>(s); ++r) {
+          const int row = first_row + get<0>(cS_rc(r, 0));
+          const int key_end = scheduler.causal ? min(p.seqlen_k, row + diagonal + 1) : p.seqlen_k;
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s); ++c) {
+            if (key0 + get<1>(cS_rc(r, c)) >= key_end) s(r, c) = -INFINITY;
+          }
         }
       }
-    }
-    if (n == n_end - 1) {
-      softmax.template update</*kFirst=*/true>(s, acc_o, p.scale_log2);
-    } else {
-      softmax.template update</*kFirst=*/false>(s, acc_o, p.scale_log2);
-    }
-    // O += P V, P from registers: the S accumulator converted, relabelled as the A operand.
-    Tensor tSrP = convert<Element>(tSrS);
-    Tensor tOrP = make_tensor(tSrP.data(), as_operand_a(tSrS.layout()));
-    v_pipe.consumer_wait(stage);
-    warpgroup_gemm</*kZeroInit=*/false, /*kWait=*/0>(mma_o, tOrP, tOrV(_, _, _, stage.index()), tOrO);
-    v_pipe.consumer_release(stage);
-  }
+    };
 
-  // ------------------------------------------------------------------------------------------ epilogue
-  float lse[kRows];
-  softmax.finalize(acc_o, p.scale, lse);
-  Element* o = p.o + batch * p.o_batch_stride + head * p.o_head_stride;
-  float* lse_row = p.lse + (int64_t(batch) * p.nheads + head) * p.seqlen_q;
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    const int row = first_row + get<0>(cO_rc(r, 0));
-    if (row >= p.seqlen_q) continue;
-    if (get<1>(cO_rc(r, 0)) == 0) lse_row[row] = lse[r];  // one lane of the row's quad
+    if (n_end > 0) {
+      shared.q_full.wait(q_loads & 1);
+      ++q_loads;
+      // The last key block: S alone.
+      Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      Tensor s = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+      k_pipe.consumer_wait(stage);
+      pingpong.wait();
+      warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_s, tSrQ, tSrK(_, _, _, stage.index()), tSrS);
+      pingpong.pass();
+      warpgroup_wait<0>();
+      k_pipe.consumer_release(stage);
+      mask(s, n_end - 1);
+      softmax.template update</*kFirst=*/true>(s, p.scale_log2);
+      // P from registers: the S accumulator converted, relabelled as the A operand of P V.
+      Tensor tSrP = make_tensor<Element>(tSrS.layout());
+      Tensor tOrP = make_tensor(tSrP.data(), as_operand_a(tSrS.layout()));
+      convert(tSrS, tSrP);
+
+      // Each further block: issue S_n = Q K_n^T and O += P_{n+1} V_{n+1}; the softmax of S_n runs under the P V.
+      for (int n = n_end - 2; n >= 0; --n) {
+        auto v_stage = stage;
+        ++stage;
+        k_pipe.consumer_wait(stage);
+        pingpong.wait();
+        warpgroup_gemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, stage.index()), tSrS);
+        softmax.rescale_o(acc_o);
+        v_pipe.consumer_wait(v_stage);
+        warpgroup_gemm<false, -1>(mma_o, tOrP, tOrV(_, _, _, v_stage.index()), tOrO);
+        pingpong.pass();
+        warpgroup_wait<1>();  // S_n is done; P V may still run
+        k_pipe.consumer_release(stage);
+        mask(s, n);
+        softmax.template update<false>(s, p.scale_log2);
+        warpgroup_wait<0>();
+        v_pipe.consumer_release(v_stage);
+        convert(tSrS, tSrP);
+      }
+      // Every Q K^T of the tile has retired: the producer may load the next tile's Q.
+      shared.q_empty.arrive();
+      // The first key block's P V.
+      softmax.rescale_o(acc_o);
+      v_pipe.consumer_wait(stage);
+      warpgroup_gemm<false, 0>(mma_o, tOrP, tOrV(_, _, _, stage.index()), tOrO);
+      v_pipe.consumer_release(stage);
+      ++stage;
+    }
+
+    // ---------------------------------------------------------------------------------------- epilogue
+    float lse[kRows];
+    softmax.finalize(acc_o, p.scale, lse);
+    Element* o = p.o + w.batch * p.o_batch_stride + w.head * p.o_head_stride;
+    float* lse_row = p.lse + (int64_t(w.batch) * p.nheads + w.head) * p.seqlen_q;
     CUTE_UNROLL
-    for (int c = 0; c < size<1>(acc_o); c += 2) {  // columns c and c + 1 are adjacent: one 4-byte store
-      cutlass::Array<float, 2> pair;
-      pair[0] = acc_o(r, c), pair[1] = acc_o(r, c + 1);
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(o + row * p.o_row_stride + get<1>(cO_rc(r, c))) =
-          cutlass::NumericArrayConverter<Element, float, 2>{}(pair);
+    for (int r = 0; r < kRows; ++r) {
+      const int row = first_row + get<0>(cO_rc(r, 0));
+      if (row >= p.seqlen_q) continue;
+      if (get<1>(cO_rc(r, 0)) == 0) lse_row[row] = lse[r];  // one lane of the row's quad
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(acc_o); c += 2) {  // columns c and c + 1 are adjacent: one 4-byte store
+        cutlass::Array<float, 2> pair;
+        pair[0] = acc_o(r, c), pair[1] = acc_o(r, c + 1);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(o + row * p.o_row_stride + get<1>(cO_rc(r, c))) =
+            cutlass::NumericArrayConverter<Element, float, 2>{}(pair);
+      }
     }
   }
 #endif

@@ -1,8 +1,9 @@
 // Forward: the launch of a plan (common/plan.h) on the Hopper family. Included only by the family's kernel TUs in
 // csrc/instantiations/ (sm_90a code), one (head dim, dtype) each: builds the TMA descriptors of this call's q, k and
-// v and launches one CTA per (query block, head, batch entry).
+// v and launches one persistent CTA per SM (sm90/tile_scheduler.h hands them the (query block, head, batch) tiles).
 #pragma once
 
+#include <algorithm>
 #include <stdexcept>
 
 #include <cuda_runtime.h>
@@ -22,7 +23,8 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   using Traits = FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, kDType>;
   using Element = typename Traits::Element;
   static_assert(Traits::kSmemSize <= fwd_smem_bytes(kTile, kHeadDim), "config.h sizes the tile");
-  if (plan.family != Family::kSm90 || plan.head_dim != kHeadDim || p.head_dim != kHeadDim || p.num_splits != 1) {
+  if (plan.family != Family::kSm90 || plan.head_dim != kHeadDim || p.head_dim != kHeadDim || p.num_splits != 1 ||
+      p.tile_counter == nullptr) {
     throw std::logic_error("fa2: a forward plan the Hopper family does not serve (host/plan.cpp)");
   }
   FwdKernelParams<Traits> k;
@@ -48,14 +50,20 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   k.lse = p.lse;
   k.seqlen_q = p.seqlen_q, k.seqlen_k = p.seqlen_k, k.nheads = p.nheads, k.head_group_kv = p.nheads / p.nheads_k;
   k.scale = p.score_scale, k.scale_log2 = p.scale_log2;
-  k.causal = p.causal();
+  // Causal sections: the (head, batch) pairs whose K and V fill about 32 MB of the L2 (50 MB on an H100) together.
+  const int64_t kv_bytes = int64_t(p.seqlen_k) * kHeadDim * 2 * sizeof(Element);
+  const int section = int(std::max<int64_t>(1, std::min<int64_t>((32 << 20) / kv_bytes, int64_t(p.nheads) * p.batch)));
+  k.scheduler = {ceil_div_host(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch, section, p.causal()};
+  k.tile_counter = p.tile_counter;
 
   constexpr int smem = Traits::kSmemSize;
   constexpr auto kernel = &fwd_kernel<Traits>;
   const int limit = block_smem_limit(p);
   if (smem > limit) throw_smem_too_small("forward", p.head_dim, smem, limit);
   allow_smem<kernel>(smem, "sm90 fwd smem");
-  const dim3 grid(ceil_div_host(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
+  // Persistent: one CTA per SM (the shared memory allows no second), each walking its tiles.
+  const int grid = std::min(k.scheduler.num_tiles(), device_sm_count());
+  check_cuda(cudaMemsetAsync(k.tile_counter, 0, sizeof(int), stream), "sm90 fwd tile counter");
   kernel<<<grid, kThreads, smem, stream>>>(k);
   check_cuda(cudaGetLastError(), "sm90 fwd launch");
 }

@@ -21,17 +21,21 @@ __device__ __forceinline__ float quad_sum(float x) {
 template <int kRows>
 struct OnlineSoftmax {
   float m[kRows], l[kRows];  // running max of raw scores; this thread's share of the running sum (summed at the end)
+  float rescale[kRows];      // what the last update asks of the output accumulator (rescale_o)
 
-  __device__ __forceinline__ OnlineSoftmax() {
+  __device__ __forceinline__ OnlineSoftmax() { reset(); }
+
+  __device__ __forceinline__ void reset() {
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) m[r] = -INFINITY, l[r] = 0.f;
+    for (int r = 0; r < kRows; ++r) m[r] = -INFINITY, l[r] = 0.f, rescale[r] = 1.f;
   }
 
   // s (rows, columns) holds a key block's raw scores (masked ones -inf); they become unnormalised probabilities
-  // exp2(s * scale_log2 - m * scale_log2), and acc_o (rows, columns) is rescaled to the new max. A row that has seen
-  // only masked scores keeps m = -inf; its exponent base is taken as 0 so nothing becomes NaN.
-  template <bool kFirst, class TensorS, class TensorO>
-  __device__ __forceinline__ void update(TensorS& s, TensorO& acc_o, float scale_log2) {
+  // exp2(s * scale_log2 - m * scale_log2). The output accumulator is not touched here: the kernel rescales it
+  // (rescale_o) later, under the next block's Q K^T. A row that has seen only masked scores keeps m = -inf; its
+  // exponent base is taken as 0 so nothing becomes NaN.
+  template <bool kFirst, class TensorS>
+  __device__ __forceinline__ void update(TensorS& s, float scale_log2) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float row_max = m[r];
@@ -39,12 +43,8 @@ struct OnlineSoftmax {
       for (int c = 0; c < size<1>(s); ++c) row_max = fmaxf(row_max, s(r, c));
       row_max = quad_max(row_max);
       const float base = row_max == -INFINITY ? 0.f : row_max * scale_log2;
-      if constexpr (!kFirst) {
-        const float rescale = exp2f(m[r] * scale_log2 - base);  // m = -inf: 0, and acc_o and l are 0 anyway
-        l[r] *= rescale;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(acc_o); ++c) acc_o(r, c) *= rescale;
-      }
+      // m = -inf: 0, and the accumulator and l are 0 anyway.
+      rescale[r] = kFirst ? 1.f : exp2f(m[r] * scale_log2 - base);
       m[r] = row_max;
       float sum = 0.f;
       CUTE_UNROLL
@@ -52,7 +52,17 @@ struct OnlineSoftmax {
         s(r, c) = exp2f(s(r, c) * scale_log2 - base);
         sum += s(r, c);
       }
-      l[r] += sum;
+      l[r] = l[r] * rescale[r] + sum;
+    }
+  }
+
+  // The output accumulator (rows, columns) to the max of the last update, before that block's P V adds to it.
+  template <class TensorO>
+  __device__ __forceinline__ void rescale_o(TensorO& acc_o) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(acc_o); ++c) acc_o(r, c) *= rescale[r];
     }
   }
 

@@ -12,6 +12,7 @@
 
 #include "common/dtype.h"
 #include "sm90/config.h"
+#include "sm90/tile_scheduler.h"
 
 namespace fa2::sm90 {
 using namespace cute;
@@ -73,7 +74,12 @@ struct FwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutVt>, 1024> v;
-    alignas(16) cutlass::arch::ClusterTransactionBarrier q_full;
+    alignas(16) cutlass::arch::ClusterTransactionBarrier q_full;  // Q landed (the producer's TMA)
+    alignas(16) cutlass::arch::ClusterBarrier q_empty;           // Q read by every Q K^T of the tile (the consumers)
+    // The tiles the producer drew (tile_scheduler.h), two slots so that it may draw one ahead.
+    int tiles[2];
+    alignas(16) cutlass::arch::ClusterBarrier tile_full[2];   // a slot written (the producer)
+    alignas(16) cutlass::arch::ClusterBarrier tile_empty[2];  // a slot read (the consumers)
     alignas(16) typename Pipeline::SharedStorage k_pipe;
     alignas(16) typename Pipeline::SharedStorage v_pipe;
   };
@@ -93,7 +99,8 @@ struct FwdKernelParams {
   float* lse;  // (batch, nheads, seqlen_q)
   int seqlen_q, seqlen_k, nheads, head_group_kv;  // head_group_kv: query heads per K/V head
   float scale, scale_log2;  // the scores' scale (softmax_scale) and it times log2(e)
-  bool causal;
+  TileScheduler scheduler;  // the tiles and their order; its causal flag is the call's
+  int* tile_counter;        // tiles handed out past the first gridDim.x, zeroed before the launch
 };
 
 }  // namespace fa2::sm90

@@ -47,18 +47,17 @@ __device__ __forceinline__ auto as_operand_a(Layout const& l) {
                      coalesce(make_layout(get<0, 1>(halves), get<2>(l))));
 }
 
-// fp32 accumulator -> Element, two at a time (cvt.rn.bf16x2 / f16x2).
-template <class Element, class TensorF>
-__device__ __forceinline__ auto convert(TensorF const& f) {
+// fp32 accumulator -> its Element copy of the same layout, two at a time (cvt.rn.bf16x2 / f16x2).
+template <class TensorF, class TensorE>
+__device__ __forceinline__ void convert(TensorF const& f, TensorE& out) {
+  using Element = typename TensorE::value_type;
   constexpr int kN = decltype(size(f))::value;
-  static_assert(kN % 2 == 0);
-  Tensor out = make_tensor<Element>(f.layout());
+  static_assert(kN % 2 == 0 && kN == decltype(size(out))::value);
   auto const& in2 = reinterpret_cast<cutlass::Array<float, 2> const (&)[kN / 2]>(*f.data());
   auto& out2 = reinterpret_cast<cutlass::Array<Element, 2>(&)[kN / 2]>(*out.data());
   cutlass::NumericArrayConverter<Element, float, 2> cvt;
   CUTE_UNROLL
   for (int i = 0; i < kN / 2; ++i) out2[i] = cvt(in2[i]);
-  return out;
 }
 
 }  // namespace fa2::sm90

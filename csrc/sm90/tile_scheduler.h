@@ -1,0 +1,41 @@
+// Which (query block, head, batch entry) a persistent CTA computes next. The grid holds one CTA per SM. CTA c starts
+// with tile c; each later tile is the next one nobody has taken (an atomic counter), so a CTA that drew light tiles
+// takes more of them: greedy longest-first, whose tail stays short.      docs/tuning.md#sm90-forward
+//
+// The order: plain attention goes query blocks fastest, so the CTAs running at one time read the same head's K and V
+// (L2 hits). Causal goes heaviest first (the last query blocks see the most keys), within sections of `section`
+// (head, batch) pairs whose K and V fit in L2 together: heaviest-first over the whole grid would have every CTA read
+// another head's K and V, from memory.
+#pragma once
+
+#include <cute/config.hpp>
+
+namespace fa2::sm90 {
+
+struct WorkTile {
+  int m_block, head, batch;
+};
+
+struct TileScheduler {
+  int num_m, nheads, batch;
+  int section;  // causal: (head, batch) pairs per section, >= 1
+  bool causal;
+
+  CUTE_HOST_DEVICE int num_tiles() const { return num_m * nheads * batch; }
+
+  CUTE_HOST_DEVICE WorkTile tile(int t) const {
+    int hb, m_block;
+    if (causal) {
+      const int per_section = section * num_m, first = t / per_section * section;
+      const int width = cute::min(section, nheads * batch - first), within = t % per_section;
+      hb = first + within % width;
+      m_block = num_m - 1 - within / width;
+    } else {
+      hb = t / num_m;
+      m_block = t - hb * num_m;
+    }
+    return {m_block, hb % nheads, hb / nheads};
+  }
+};
+
+}  // namespace fa2::sm90
