@@ -345,14 +345,14 @@ def run_host(args):
 
 
 # ---------------------------------------------------------------------------------------------------- features
-# name: (causal, fa2.attention options; "sink" = a random (nheads,) sink, "alibi" = ALiBi's geometric (nheads,)
-# slopes). "none" and "causal" are the baselines each feature is compared with (same causality), and the rows
+# name: (causal, fa2.attention options; "sink" = a random (nheads,) sink, "sink_grad" = a learnable one (its gradient
+# computed in the backward), "alibi" = ALiBi's geometric (nheads,) slopes). "none" and "causal" are the baselines each feature is compared with (same causality), and the rows
 # SDPA-flash is timed at, as at the dropout rows (FlashAttention-2's own dropout).
 FEATURES = {
     "none": (False, {}), "causal": (True, {}),
     "softcap": (False, dict(softcap=30.0)), "softcap_causal": (True, dict(softcap=30.0)),
     "softcap50": (False, dict(softcap=50.0)),
-    "sink": (False, "sink"), "sink_causal": (True, "sink"),
+    "sink": (False, "sink"), "sink_causal": (True, "sink"), "sink_grad_causal": (True, "sink_grad"),
     "alibi": (False, "alibi"), "alibi_causal": (True, "alibi"),
     "window128": (True, dict(window_size=(127, 0))), "window1k": (True, dict(window_size=(1023, 0))),
     "window4k": (True, dict(window_size=(4095, 0))),
@@ -397,7 +397,8 @@ def run_features(args):
             calls = {}  # (impl, name, mode) -> the timed call
             for name in names:
                 causal, options = FEATURES[name]
-                kw = (dict(sink=torch.randn(h, device="cuda")) if options == "sink" else
+                kw = (dict(sink=torch.randn(h, device="cuda", requires_grad=options == "sink_grad"))
+                      if options in ("sink", "sink_grad") else
                       dict(alibi_slopes=2.0 ** (-8.0 * torch.arange(1, h + 1, device="cuda") / h)) if options == "alibi"
                       else dict(options))
                 fn = lambda q, k, v, causal=causal, kw=kw: fa2.attention(q, k, v, causal=causal, **kw)  # noqa: E731
@@ -473,8 +474,9 @@ def decode_fn(impl, fa2, q, k, v):
 
 
 # fa2.attention_with_kvcache over the same keys: the cache as one entry per sequence, as 256-row pages in shuffled
-# order, or with the step's seqlen_q rows appended first (its last rows, rewritten in place on every call).
-KVCACHE_IMPLS = ("fa2_kvcache", "fa2_paged", "fa2_append")
+# order, or with the step's seqlen_q rows appended first (its last rows, rewritten in place on every call), plain or
+# with a rotary embedding of the whole head (q and the new keys rotated in the append's launch).
+KVCACHE_IMPLS = ("fa2_kvcache", "fa2_paged", "fa2_append", "fa2_rotary")
 
 
 def kvcache_fn(impl, fa2, q, k, v):
@@ -483,11 +485,16 @@ def kvcache_fn(impl, fa2, q, k, v):
     lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
     if impl == "fa2_kvcache":
         return lambda: fa2.attention_with_kvcache(q, k, v, cache_seqlens=lens)
-    if impl == "fa2_append":
+    if impl in ("fa2_append", "fa2_rotary"):
         sq = q.shape[1]
         new_k, new_v = k[:, sk - sq:].clone(), v[:, sk - sq:].clone()
         held = lens - sq
-        return lambda: fa2.attention_with_kvcache(q, k, v, new_k, new_v, cache_seqlens=held)
+        if impl == "fa2_append":
+            return lambda: fa2.attention_with_kvcache(q, k, v, new_k, new_v, cache_seqlens=held)
+        angle = torch.rand(sk, q.shape[-1] // 2, device="cuda") * 6.283
+        cos, sin = angle.cos().to(q.dtype), angle.sin().to(q.dtype)
+        return lambda: fa2.attention_with_kvcache(q, k, v, new_k, new_v, cache_seqlens=held, rotary_cos=cos,
+                                                  rotary_sin=sin)
     page = 256
     pages = -(-sk // page)
     table = torch.randperm(b * pages, device="cuda").view(b, pages).int()
@@ -519,8 +526,9 @@ def run_decode(args):
     size = dt.itemsize if hasattr(dt, "itemsize") else 2
     print(f"# decode, h{h}/{hk} d{d} {args.dtype}: µs per call (do_bench median) and GB/s of the bytes a step must "
           f"move (q, K, V cache, out; * = K/V expanded to {h} heads for a backend without GQA)")
+    rotary_ratio = "fa2_rotary" in impls and "fa2_append" in impls
     print(f"{'batch':>5} {'sq':>3} {'seqlen_k':>8} " + " ".join(f"{i + ' us':>16} {'GB/s':>6}" for i in impls)
-          + f" {'fa2/flash':>9}", flush=True)
+          + f" {'fa2/flash':>9}" + (f" {'rotary/append':>13}" if rotary_ratio else ""), flush=True)
     for b, sq, sk in shapes:
         q = torch.randn(b, sq, h, d, device="cuda", dtype=dt)
         k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=dt) for _ in range(2))
@@ -542,7 +550,9 @@ def run_decode(args):
             cells.append(f"{us[impl]:15.1f}{'*' if expanded else ' '} {gbps:6.0f}" if ms else f"{'-':>16} {'-':>6}")
             torch.cuda.empty_cache()
         ratio = us["sdpa_flash"] / us["fa2"] if us.get("fa2") and us.get("sdpa_flash") else math.nan
-        print(f"{b:>5} {sq:>3} {sk:>8} " + " ".join(cells) + f" {ratio:9.2f}", flush=True)
+        rotary = (f" {us['fa2_rotary'] / us['fa2_append']:13.3f}" if us.get("fa2_rotary") and us.get("fa2_append")
+                  else f" {'-':>13}") if rotary_ratio else ""
+        print(f"{b:>5} {sq:>3} {sk:>8} " + " ".join(cells) + f" {ratio:9.2f}" + rotary, flush=True)
         del q, k, v
         torch.cuda.empty_cache()
     rows.close()
@@ -897,7 +907,8 @@ def parser():
     p.add_argument("--impls", default="fa2,sdpa_flash,sdpa_cudnn",
                    help="comma list of fa2, " + ", ".join(KVCACHE_IMPLS + SDPA_IMPLS) + " (fa2_kvcache: "
                         "fa2.attention_with_kvcache on the same cache; fa2_paged: the cache in shuffled 256-row pages; "
-                        "fa2_append: appending the step's rows first)")
+                        "fa2_append: appending the step's rows first; fa2_rotary: the same with a rotary "
+                        "embedding, q and the new keys rotated in the append)")
     p.add_argument("--out", default=None, help="results .jsonl (default bench/results/<gpu>-<date>-decode.jsonl)")
     p.add_argument("--no-check", action="store_true", help="skip the tests' reference check before timing")
     p.set_defaults(run=run_decode)

@@ -347,6 +347,22 @@ def test_sink_gets_a_gradient_through_autograd(recording, varlen):
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
 
 
+def test_bwd_writes_d_into_a_given_d_sum(recording):
+    """The bwd ops take d_sum, a float32 buffer laid out like lse, for D = rowsum(dO * O) (the sink's gradient reads
+    it); anything else is refused before a launch."""
+    q, k, v = _qkv(sq=16, sk=24, h=4, hk=2)
+    out, lse = torch.empty_like(q), torch.empty(1, 4, 16)
+    d_sum = torch.empty_like(lse)
+    torch.ops.fa2.bwd(torch.randn_like(q), q, k, v, out, lse, None, True, False, d_sum=d_sum)
+    (kind, b), = recording.calls
+    assert kind == "bwd" and b["d_sum"] == d_sum.data_ptr()
+    bads = (torch.empty(1, 4, 15), torch.empty(1, 4, 16, dtype=torch.float64), torch.empty(1, 16, 4).transpose(1, 2))
+    for bad in bads:
+        with pytest.raises(ValueError, match="d_sum must be a contiguous float32 tensor laid out like lse"):
+            torch.ops.fa2.bwd(torch.randn_like(q), q, k, v, out, lse, None, True, False, d_sum=bad)
+    assert len(recording.calls) == 1
+
+
 def test_dropout_reaches_the_kernels_with_its_state(recording):
     """The forward and the backward get the same (seed, offset) tensor, the reference's threshold and 1 / (1 - p)."""
     q, k, v = (t.requires_grad_() for t in _qkv())

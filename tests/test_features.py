@@ -223,6 +223,39 @@ def test_deterministic_features_are_bit_identical(require_kernel):
 
 
 @gpu
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "packed"])
+def test_the_backward_writes_d_for_the_sinks_gradient(varlen, require_kernel):
+    """The bwd ops write D = rowsum(dO * O) into a given d_sum laid out like lse (the sink's gradient reads it there
+    instead of recomputing it): every row written, against float64; the sink's gradient through autograd bit-identical
+    between two deterministic backwards."""
+    require_kernel("bwd", 128, torch.bfloat16)
+    q, k, v = randn(2, 700, 8, 128), randn(2, 900, 2, 128), randn(2, 900, 2, 128)
+    sink = randn(8, dtype=torch.float32)
+    out, lse = fa2.fwd(q, k, v, sink=sink, causal=True)
+    dout = torch.randn_like(out)
+    d64 = (dout.double() * out.double()).sum(-1).transpose(1, 2)  # (batch, nheads, seqlen_q), lse's layout
+    if varlen:
+        cu_q = torch.tensor([0, 700, 1400], device="cuda", dtype=torch.int32)
+        cu_k = torch.tensor([0, 900, 1800], device="cuda", dtype=torch.int32)
+        flat = [t.flatten(0, 1) for t in (dout, q, k, v, out)]
+        lse = lse.transpose(0, 1).flatten(1).contiguous()  # (nheads, total_q)
+        d64 = d64.transpose(0, 1).flatten(1)
+        d_sum = poison(torch.empty_like(lse))
+        torch.ops.fa2.bwd_varlen(*flat, lse, cu_q, cu_k, 700, 900, None, True, False, d_sum=d_sum)
+    else:
+        d_sum = poison(torch.empty_like(lse))
+        torch.ops.fa2.bwd(dout, q, k, v, out, lse, None, True, False, d_sum=d_sum)
+    assert_written(d_sum, name="d_sum")
+    assert (d_sum.double() - d64).abs().max().item() <= 1e-4 * d64.abs().max().item()  # fp32 sums of 128 products
+    grads = []
+    for _ in range(2):
+        leaf = sink.clone().requires_grad_()
+        fa2.attention(q, k, v, sink=leaf, causal=True, deterministic=True).backward(dout)
+        grads.append(leaf.grad)
+    assert torch.equal(grads[0], grads[1]), "the sink's gradient differs between two deterministic backwards"
+
+
+@gpu
 def test_given_buffers_are_written_in_full(require_kernel):
     require_kernel("bwd", 64, torch.bfloat16)
     q, k, v = randn(2, 177, 4, 64), randn(2, 301, 2, 64), randn(2, 301, 2, 64)

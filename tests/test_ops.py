@@ -22,13 +22,14 @@ SCHEMAS = {
     "fwd": "fa2::fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale, bool causal, bool deterministic=False, "
            f"{FEATURES}, Tensor? sink=None) -> (Tensor, Tensor)",
     "bwd": "fa2::bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float? softmax_scale, "
-           f"bool causal, bool deterministic, {FEATURES}) -> (Tensor, Tensor, Tensor)",
+           f"bool causal, bool deterministic, {FEATURES}, Tensor(a!)? d_sum=None) -> (Tensor, Tensor, Tensor)",
     "fwd_varlen": "fa2::fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
                   "SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, "
                   f"bool deterministic=False, {FEATURES}, Tensor? sink=None) -> (Tensor, Tensor)",
     "bwd_varlen": "fa2::bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                   "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
-                  f"float? softmax_scale, bool causal, bool deterministic, {FEATURES}) -> (Tensor, Tensor, Tensor)",
+                  f"float? softmax_scale, bool causal, bool deterministic, {FEATURES}, Tensor(a!)? d_sum=None) "
+                  "-> (Tensor, Tensor, Tensor)",
 }
 LENGTHS = [3, 7, 7]  # the packed batch of the varlen tests: cu_seqlens [0, 3, 10, 17]
 

@@ -1,11 +1,16 @@
 // A decode step's new keys and values written into a KV cache before the attention reads it
 // (fa2.attention_with_kvcache): row s of sequence b's k_new and v_new becomes row cache.seqlens[b] + s of its cache,
 // wherever seqlen.h's cache_row_offset puts that row (its batch entry, or its page). A row that would land past the
-// cache's capacity is not written. Element-type blind: rows move as 16-byte chunks.
+// cache's capacity is not written. Rows move as 16-byte chunks; with a rotary embedding (params.h: KvAppendParams)
+// the new keys' chunks are rotated on the way, and the same grid rotates q into q_rotated, so that q and the new keys
+// are each read and rotated once (fa2.reference.apply_rotary is the formula).
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "common/params.h"
@@ -15,12 +20,68 @@ namespace fa2 {
 
 constexpr int kAppendThreads = 128;
 
-// One block per (new row, sequence); its threads cover the row's heads of k and then of v, 16 bytes each.
+__device__ __forceinline__ float half_bits_to_float(uint16_t x, bool bf16) {
+  return bf16 ? __bfloat162float(__ushort_as_bfloat16(x)) : __half2float(__ushort_as_half(x));
+}
+__device__ __forceinline__ uint16_t float_to_half_bits(float x, bool bf16) {
+  return bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
+}
+
+// Chunk `chunk` (elements [8 * chunk, 8 * chunk + 8)) of one head's row `src`, rotated at `position` (already
+// clamped to cos/sin's rows). A non-interleaved pair's partner may sit in another chunk: it is read from `src` (the
+// same row, which the neighbouring threads are reading, so from L1).
+__device__ __forceinline__ uint4 rotated_chunk(KvAppendParams const& p, const uint16_t* src, int chunk,
+                                               int64_t position) {
+  const uint4 packed = *reinterpret_cast<const uint4*>(src + 8 * chunk);
+  const int j0 = 8 * chunk, half = p.rotary_dim / 2;
+  if (j0 >= p.rotary_dim) return packed;
+  const auto* cos = static_cast<const uint16_t*>(p.rotary_cos) + position * half;
+  const auto* sin = static_cast<const uint16_t*>(p.rotary_sin) + position * half;
+  uint16_t x[8], y[8];
+  memcpy(x, &packed, 16);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const int j = j0 + e;
+    if (j >= p.rotary_dim) {
+      y[e] = x[e];
+      continue;
+    }
+    // Element j pairs with `partner`: y_j = x_j cos - partner sin for the pair's first, x_j cos + partner sin for its
+    // second (reference.apply_rotary).
+    const bool first = p.interleaved ? (e % 2 == 0) : j < half;
+    const int i = p.interleaved ? j / 2 : (first ? j : j - half);
+    const uint16_t partner = p.interleaved ? x[e ^ 1] : src[first ? j + half : j - half];
+    const float xj = half_bits_to_float(x[e], p.bf16), xp = half_bits_to_float(partner, p.bf16);
+    const float c = half_bits_to_float(cos[i], p.bf16), sn = half_bits_to_float(sin[i], p.bf16);
+    y[e] = float_to_half_bits(first ? xj * c - xp * sn : xj * c + xp * sn, p.bf16);
+  }
+  uint4 out;
+  memcpy(&out, y, 16);
+  return out;
+}
+
+// One block per (row, sequence): q's row s (rotated into q_rotated) where q is rotated, then k_new's and v_new's row s
+// where s is a new row; the threads cover the row's heads, 16 bytes each.
 __global__ void __launch_bounds__(kAppendThreads) kv_append_kernel(const __grid_constant__ KvAppendParams p) {
   const int s = blockIdx.x, batch = blockIdx.y;
-  const int64_t row = int64_t(p.cache.seqlens != nullptr ? p.cache.seqlens[batch] : p.cache.seqlen) + s;
-  if (row < 0 || row >= p.cache.capacity) return;
-  const int chunks_per_head = p.row_bytes / 16, chunks = p.nheads_k * chunks_per_head;
+  const int64_t held = p.cache.seqlens != nullptr ? p.cache.seqlens[batch] : p.cache.seqlen;
+  const int chunks_per_head = p.row_bytes / 16;
+  const int64_t last_position = int64_t(p.seqlen_ro) - 1;
+  if (p.rotary_dim > 0 && s < p.seqlen_q) {
+    const int64_t position = min(max(held + (p.q_per_row ? s : 0), int64_t(0)), last_position);
+    for (int i = threadIdx.x; i < p.nheads * chunks_per_head; i += kAppendThreads) {
+      const int head = i / chunks_per_head, chunk = i % chunks_per_head;
+      const auto* src = static_cast<const uint16_t*>(p.q) + batch * p.q_stride.batch + s * p.q_stride.row +
+                        head * p.q_stride.head;
+      auto* dst = static_cast<uint16_t*>(p.q_rotated) + batch * p.q_rotated_stride.batch +
+                  s * p.q_rotated_stride.row + head * p.q_rotated_stride.head;
+      *reinterpret_cast<uint4*>(dst + 8 * chunk) = rotated_chunk(p, src, chunk, position);
+    }
+  }
+  const int64_t row = held + s;
+  if (s >= p.cache.appended || row < 0 || row >= p.cache.capacity) return;
+  const int64_t position = min(row, last_position);  // the key's position: its cache row
+  const int chunks = p.nheads_k * chunks_per_head;
   for (int i = threadIdx.x; i < 2 * chunks; i += kAppendThreads) {
     const bool is_v = i >= chunks;
     const int head = (i % chunks) / chunks_per_head, chunk = i % chunks_per_head;
@@ -28,10 +89,11 @@ __global__ void __launch_bounds__(kAppendThreads) kv_append_kernel(const __grid_
     const Strides& dst_st = is_v ? p.v_cache_stride : p.k_cache_stride;
     // Strides count 2-byte elements; a chunk is 8 of them.
     const auto* src = static_cast<const uint16_t*>(is_v ? p.v_new : p.k_new) + batch * src_st.batch + s * src_st.row +
-                      head * src_st.head + 8 * chunk;
+                      head * src_st.head;
     auto* dst = static_cast<uint16_t*>(is_v ? p.v_cache : p.k_cache) +
                 cache_row_offset(p.cache, dst_st, batch, int(row)) + head * dst_st.head + 8 * chunk;
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    *reinterpret_cast<uint4*>(dst) = is_v || p.rotary_dim == 0 ? *reinterpret_cast<const uint4*>(src + 8 * chunk)
+                                                               : rotated_chunk(p, src, chunk, position);
   }
 }
 

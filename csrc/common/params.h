@@ -24,6 +24,9 @@ struct KvCache {
   int cache_batch = 0;               // the cache tensors' dim 0: entries, or pages when paged
   const int* block_table = nullptr;  // (batch, block_table_stride) page ids; nullptr: not paged
   int block_table_stride = 0, page_size = 0;
+  // (batch,) the first row of each sequence's cache (flash-attn's cache_leftpad; unpaged caches only): its keys are
+  // rows [leftpad[b], seqlens[b] + appended), seqlens[b] counting the pad rows too; nullptr: 0.
+  const int* leftpad = nullptr;
 };
 
 constexpr int kMaxSplits = 128;  // split-KV's most splits (FwdParams::num_splits): fwd_combine.h's shared memory
@@ -94,7 +97,8 @@ struct FwdParams {
 };
 
 // Appending a step's new keys and values to a KV cache (kv_append.h): row s of sequence b's k_new/v_new goes to cache
-// row cache.seqlens[b] + s, skipped where that is past the capacity.
+// row cache.seqlens[b] + s, skipped where that is past the capacity. With a rotary embedding the new keys are rotated
+// on the way, and q is rotated into q_rotated, which the attention then reads.
 struct KvAppendParams {
   const void* k_new = nullptr;
   const void* v_new = nullptr;
@@ -102,9 +106,26 @@ struct KvAppendParams {
   void* k_cache = nullptr;
   void* v_cache = nullptr;
   Strides k_cache_stride, v_cache_stride;
-  int batch = 0, seqlen_new = 0, nheads_k = 0;
-  int row_bytes = 0;  // head_dim * element size, a multiple of 16
+  int batch = 0, nheads_k = 0;
+  int seqlen_new = 0;  // the grid's rows: the new keys' (cache.appended), or q's where q is rotated and has more
+  int row_bytes = 0;   // head_dim * element size, a multiple of 16
   KvCache cache;
+
+  // Rotary embedding (flash-attn's rotary_cos/rotary_sin), applied when rotary_dim > 0 to the first rotary_dim
+  // elements of each head of k_new (at its cache row's position, cache.seqlens[b] + s) and of q, whose row i is at
+  // position cache.seqlens[b] + i when q_per_row (causal or windowed calls), else cache.seqlens[b] for every row.
+  // Pairs are (j, j + rotary_dim / 2), or with interleaved (2j, 2j + 1); each turns by the angle whose cosine and sine
+  // are row `position` (clamped to [0, seqlen_ro)), column j of cos and sin ((seqlen_ro, rotary_dim / 2), q's dtype,
+  // contiguous). Computed in fp32 and rounded once.
+  int rotary_dim = 0;
+  bool interleaved = false, q_per_row = false, bf16 = false;
+  int seqlen_ro = 0;
+  const void* rotary_cos = nullptr;
+  const void* rotary_sin = nullptr;
+  const void* q = nullptr;    // (batch, seqlen_q, nheads, head_dim)
+  void* q_rotated = nullptr;  // like q, written whole
+  Strides q_stride, q_rotated_stride;
+  int seqlen_q = 0, nheads = 0;
 };
 
 struct BwdParams : FwdParams {

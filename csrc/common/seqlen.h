@@ -72,6 +72,10 @@ struct SeqInfo {
       // Paged: the kernel adds each key block's page offset (PageCursor) to page 0's rows.
       kv_batch = p.cache.block_table != nullptr ? 0 : cache_entry(p.cache, batch);
       q_start = 0, k_start = 0;
+      if (p.cache.leftpad != nullptr) {  // the keys start at the pad's end (an unpaged cache: params.h)
+        k_start = min(max(p.cache.leftpad[batch], 0), seqlen_k);
+        seqlen_k -= int(k_start);
+      }
       stats_row = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
       return;
     }

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <charconv>
 #include <cmath>
@@ -457,6 +458,63 @@ void check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache
   if (k_new && !cache_seqlens && cache_seqlen + k_new->size(1) > capacity) {
     value_error("appending " + std::to_string(k_new->size(1)) + " rows after cache_seqlens=" +
                 std::to_string(cache_seqlen) + " overflows the cache's capacity (" + std::to_string(capacity) + " rows)");
+  }
+}
+
+// fa2.attention_with_kvcache's rotary embedding and left padding (flash-attn's rotary_cos/rotary_sin and
+// cache_leftpad), after check_kvcache: cos and sin (seqlen_ro, rotary_dim / 2) in q's dtype, contiguous, a row for
+// every position the cache holds; new keys to rotate; leftpad (batch,) int32 on an unpaged cache.
+void check_rotary_and_leftpad(const Tensor& q, const Tensor& k_cache, const std::optional<Tensor>& k_new,
+                              const std::optional<Tensor>& block_table, const std::optional<Tensor>& rotary_cos,
+                              const std::optional<Tensor>& rotary_sin, const std::optional<Tensor>& cache_leftpad) {
+  const int64_t batch = q.size(0), head_dim = q.size(3);
+  const int64_t capacity = block_table ? block_table->size(1) * k_cache.size(1) : k_cache.size(1);
+  if (rotary_cos.has_value() != rotary_sin.has_value()) {
+    value_error(std::string("rotary_cos and rotary_sin go together, got only ") +
+                (rotary_cos ? "rotary_cos" : "rotary_sin") + ": pass both, or neither");
+  }
+  if (rotary_cos) {
+    if (!k_new) {
+      value_error("rotary_cos/rotary_sin rotate q and the new keys k as they are appended: pass k and v too (or rotate "
+                  "q yourself and leave rotary_cos/rotary_sin None)");
+    }
+    const std::pair<const char*, const Tensor*> tables[] = {{"rotary_cos", &*rotary_cos}, {"rotary_sin", &*rotary_sin}};
+    for (auto [name, t] : tables) {
+      if (t->scalar_type() != q.scalar_type()) {
+        type_error(std::string(name) + " must have q's dtype " + str(q.scalar_type()) + ", got " +
+                   str(t->scalar_type()) + ": pass " + name + ".to(q.dtype)");
+      }
+      if (t->dim() != 2 || t->size(1) < 1 || 2 * t->size(1) > head_dim) {
+        value_error(std::string(name) + " must be (seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= head_dim (" +
+                    std::to_string(head_dim) + "), got shape " + str(t->sizes()));
+      }
+      if (t->size(0) < std::max<int64_t>(capacity, 1) || t->size(0) > 2147483647) {
+        value_error(std::string(name) + " must have a row for each of the cache's " + std::to_string(capacity) +
+                    " positions (seqlen_ro >= capacity, as in flash-attn), got shape " + str(t->sizes()));
+      }
+      if (!t->is_contiguous()) value_error(std::string(name) + " must be contiguous: pass " + name + ".contiguous()");
+    }
+    if (!rotary_sin->sizes().equals(rotary_cos->sizes())) {
+      value_error("rotary_sin must have rotary_cos's shape " + str(rotary_cos->sizes()) + ", got " +
+                  str(rotary_sin->sizes()));
+    }
+  }
+  if (cache_leftpad) {
+    if (block_table) {
+      value_error("cache_leftpad and block_table cannot be combined (neither can they in flash-attn): a paged cache "
+                  "starts each sequence at row 0 of its first page, so drop cache_leftpad");
+    }
+    if (cache_leftpad->scalar_type() != ScalarType::Int) {
+      type_error("cache_leftpad must be an int32 tensor, got " + str(cache_leftpad->scalar_type()) +
+                 ": pass cache_leftpad.to(torch.int32)");
+    }
+    if (!cache_leftpad->sizes().equals(Ints({batch}))) {
+      value_error("cache_leftpad must be (batch,): the first row of each sequence's cache, got shape " +
+                  str(cache_leftpad->sizes()));
+    }
+    if (!cache_leftpad->is_contiguous()) {
+      value_error("cache_leftpad must be contiguous: pass cache_leftpad.contiguous()");
+    }
   }
 }
 

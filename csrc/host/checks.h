@@ -63,6 +63,11 @@ void check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache
                    const std::optional<Tensor>& cache_batch_idx, const std::optional<Tensor>& block_table,
                    std::optional<double> softmax_scale);
 
+// Its rotary embedding (rotary_cos, rotary_sin) and left padding (cache_leftpad), after check_kvcache.
+void check_rotary_and_leftpad(const Tensor& q, const Tensor& k_cache, const std::optional<Tensor>& k_new,
+                              const std::optional<Tensor>& block_table, const std::optional<Tensor>& rotary_cos,
+                              const std::optional<Tensor>& rotary_sin, const std::optional<Tensor>& cache_leftpad);
+
 // After the shape checks: every tensor on q's (the first's) CUDA device. Null entries are skipped.
 void check_devices(std::initializer_list<std::pair<const char*, const Tensor*>> tensors);
 

@@ -167,7 +167,7 @@ PyObject* take_recorded_launches(PyObject*, PyObject*) {
     set_item(d, "cache_batch_index", ptr(c.batch_index)), set_item(d, "cache_batch", PyLong_FromLong(c.cache_batch));
     set_item(d, "block_table", ptr(c.block_table));
     set_item(d, "block_table_stride", PyLong_FromLong(c.block_table_stride));
-    set_item(d, "page_size", PyLong_FromLong(c.page_size));
+    set_item(d, "page_size", PyLong_FromLong(c.page_size)), set_item(d, "cache_leftpad", ptr(c.leftpad));
     if (l.kind == "kv_append") {
       const fa2::KvAppendParams& a = l.append;
       set_item(d, "k_new", ptr(a.k_new)), set_item(d, "v_new", ptr(a.v_new));
@@ -177,6 +177,13 @@ PyObject* take_recorded_launches(PyObject*, PyObject*) {
       set_item(d, "v_cache_stride", strides(a.v_cache_stride));
       set_item(d, "batch", PyLong_FromLong(a.batch)), set_item(d, "seqlen_new", PyLong_FromLong(a.seqlen_new));
       set_item(d, "nheads_k", PyLong_FromLong(a.nheads_k)), set_item(d, "row_bytes", PyLong_FromLong(a.row_bytes));
+      set_item(d, "rotary_dim", PyLong_FromLong(a.rotary_dim)), set_item(d, "seqlen_ro", PyLong_FromLong(a.seqlen_ro));
+      set_item(d, "rotary_interleaved", PyBool_FromLong(a.interleaved));
+      set_item(d, "rotary_q_per_row", PyBool_FromLong(a.q_per_row)), set_item(d, "rotary_bf16", PyBool_FromLong(a.bf16));
+      set_item(d, "rotary_cos", ptr(a.rotary_cos)), set_item(d, "rotary_sin", ptr(a.rotary_sin));
+      set_item(d, "q", ptr(a.q)), set_item(d, "q_rotated", ptr(a.q_rotated));
+      set_item(d, "q_stride", strides(a.q_stride)), set_item(d, "q_rotated_stride", strides(a.q_rotated_stride));
+      set_item(d, "seqlen_q", PyLong_FromLong(a.seqlen_q)), set_item(d, "nheads", PyLong_FromLong(a.nheads));
     }
     if (l.kind == "bwd") {
       set_item(d, "dout", ptr(p.dout)), set_item(d, "dq", ptr(p.dq)), set_item(d, "dk", ptr(p.dk));

@@ -176,9 +176,12 @@ std::tuple<Tensor, Tensor> fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache,
                                        std::optional<Tensor> block_table, std::optional<double> softmax_scale,
                                        bool causal, int64_t window_left, int64_t window_right, double softcap,
                                        std::optional<Tensor> alibi_slopes, std::optional<Tensor> sink,
-                                       int64_t num_splits) {
+                                       int64_t num_splits, std::optional<Tensor> rotary_cos,
+                                       std::optional<Tensor> rotary_sin, bool rotary_interleaved,
+                                       std::optional<Tensor> cache_leftpad) {
   check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_seqlen, cache_batch_idx, block_table,
                 softmax_scale);
+  check_rotary_and_leftpad(q, k_cache, k_new, block_table, rotary_cos, rotary_sin, cache_leftpad);
   const Features f{window_left, window_right, softcap, opt(alibi_slopes), 0.0, nullptr, opt(sink)};
   check_features(f, causal, q, q.size(0));
   if (num_splits < 0 || num_splits > kMaxSplits) {
@@ -188,14 +191,20 @@ std::tuple<Tensor, Tensor> fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache,
   if (!recording()) {
     check_devices({{"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"k", opt(k_new)}, {"v", opt(v_new)},
                    {"cache_seqlens", opt(cache_seqlens)}, {"cache_batch_idx", opt(cache_batch_idx)},
-                   {"block_table", opt(block_table)}, {"sink", f.sink}, {"alibi_slopes", f.alibi_slopes}});
+                   {"block_table", opt(block_table)}, {"sink", f.sink}, {"alibi_slopes", f.alibi_slopes},
+                   {"rotary_cos", opt(rotary_cos)}, {"rotary_sin", opt(rotary_sin)},
+                   {"cache_leftpad", opt(cache_leftpad)}});
   }
   const DType dtype = to_dtype(q.scalar_type());
-  const int kernel_dim = pick_head_dim(int(q.size(-1)), dtype, "fwd");
-  if (block_table && !reads_pages(kernel_dim)) {
-    value_error("a paged KV cache (block_table) needs head_dim 64, 128, 224 or 256 (the kernels with a 64-row tile), "
-                "got " + std::to_string(q.size(-1)) + ": use a cache with one entry per sequence (cache_batch_idx "
-                "picks them), or zero-pad the head dim");
+  int kernel_dim = pick_head_dim(int(q.size(-1)), dtype, "fwd");
+  if (block_table && !reads_pages(kernel_dim)) {  // a wider kernel that reads pages, its extra columns masked
+    kernel_dim = pick_paged_head_dim(kernel_dim, dtype);
+    if (kernel_dim == 0) {
+      value_error("a paged KV cache (block_table) at head_dim " + std::to_string(q.size(-1)) + " runs on a forward "
+                  "kernel that reads pages (head dim 64, 128, 224 or 256) at or above it, and this build has none: "
+                  "rebuild with FA2_HEAD_DIMS including one, or use a cache with one entry per sequence "
+                  "(cache_batch_idx picks them)");
+    }
   }
   std::optional<torch::stable::accelerator::DeviceGuard> guard;
   if (q.is_cuda()) guard.emplace(q.get_device_index());
@@ -214,7 +223,11 @@ std::tuple<Tensor, Tensor> fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache,
     cache.block_table_stride = int(block_table->size(1));
     cache.page_size = int(k_cache.size(1));
   }
-  if (k_new && k_new->numel() > 0) {
+  cache.leftpad = cache_leftpad ? static_cast<const int*>(cache_leftpad->data_ptr()) : nullptr;
+  // With a rotary embedding the append's grid also rotates q into q_rotated, which the attention reads instead of q.
+  const bool rotary = rotary_cos.has_value(), rotate_q = rotary && q.numel() > 0;
+  Tensor q_attended = rotate_q ? new_like(q) : q;
+  if (k_new && (k_new->numel() > 0 || rotary)) {
     KvAppendParams a;
     a.k_new = k_new->data_ptr(), a.v_new = v_new->data_ptr();
     a.k_new_stride = strides_of(*k_new), a.v_new_stride = strides_of(*v_new);
@@ -223,6 +236,19 @@ std::tuple<Tensor, Tensor> fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache,
     a.batch = int(q.size(0)), a.seqlen_new = int(k_new->size(1)), a.nheads_k = int(k_cache.size(2));
     a.row_bytes = int(k_cache.size(3)) * 2;
     a.cache = cache;
+    if (rotary) {
+      a.rotary_dim = int(rotary_cos->size(1)) * 2, a.seqlen_ro = int(rotary_cos->size(0));
+      a.interleaved = rotary_interleaved, a.bf16 = dtype == DType::bf16;
+      // flash-attn's rule: q's rows advance in position only where the mask depends on it (causal or a window).
+      const int64_t capacity = cache.capacity;
+      a.q_per_row = causal || (window_left >= 0 && window_left < capacity) ||
+                    (window_right >= 0 && window_right < capacity);
+      a.rotary_cos = rotary_cos->data_ptr(), a.rotary_sin = rotary_sin->data_ptr();
+      a.q = q.data_ptr(), a.q_rotated = q_attended.data_ptr();
+      a.q_stride = strides_of(q), a.q_rotated_stride = strides_of(q_attended);
+      a.seqlen_q = rotate_q ? int(q.size(1)) : 0, a.nheads = int(q.size(2));
+      a.seqlen_new = std::max(a.seqlen_new, a.seqlen_q);
+    }
     launch_kv_append(a, q.get_device_index());
   }
   // Without cache_seqlens every sequence sees the same rows: seqlen_k is that count, as for a plain forward.
@@ -235,7 +261,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache,
     return {out, lse};
   }
   FwdParams p;
-  fill_common(p, q, k_cache, v_cache, out, lse, s, softmax_scale, causal, f, nullptr, nullptr);
+  fill_common(p, q_attended, k_cache, v_cache, out, lse, s, softmax_scale, causal, f, nullptr, nullptr);
   p.cache = cache;
   launch_forward(p, q, lse, dtype, kernel_dim, int(num_splits));
   return {out, lse};
@@ -247,7 +273,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
                                             int64_t max_q, int64_t max_k, std::optional<double> softmax_scale,
                                             bool causal, const Features& f, bool deterministic,
                                             std::optional<Tensor> dq_buffer, std::optional<Tensor> dk_buffer,
-                                            std::optional<Tensor> dv_buffer) {
+                                            std::optional<Tensor> dv_buffer, std::optional<Tensor> d_sum_buffer) {
   const bool varlen = cu_q != nullptr;
   check_qkv(q, k, v, softmax_scale, varlen);
   if (varlen) {
@@ -258,8 +284,14 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
                       "fwd");
   }
   check_features(f, causal, q, varlen ? cu_q->numel() - 1 : q.size(0));
+  if (d_sum_buffer && (d_sum_buffer->scalar_type() != ScalarType::Float ||
+                       !d_sum_buffer->sizes().equals(lse.sizes()) || !d_sum_buffer->is_contiguous())) {
+    value_error("d_sum must be a contiguous float32 tensor laid out like lse " + str(lse.sizes()) + ", got shape " +
+                str(d_sum_buffer->sizes()));
+  }
   if (!recording()) {
     check_devices({{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"dout", &dout_in}, {"lse", &lse},
+                   {"d_sum", d_sum_buffer ? &*d_sum_buffer : nullptr},
                    {"dq", dq_buffer ? &*dq_buffer : nullptr}, {"dk", dk_buffer ? &*dk_buffer : nullptr},
                    {"dv", dv_buffer ? &*dv_buffer : nullptr}, {"cu_seqlens_q", cu_q}, {"cu_seqlens_k", cu_k},
                    {"alibi_slopes", f.alibi_slopes}, {"rng_state", f.dropout_p > 0.0 ? f.rng_state : nullptr}});
@@ -276,6 +308,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
   const Sizes s = varlen ? varlen_sizes(q, k, *cu_q, max_q, max_k) : padded_sizes(q, k);
   if (q.numel() == 0 || k.numel() == 0 || s.seqlen_q == 0 || s.seqlen_k == 0) {
     torch::stable::zero_(dq), torch::stable::zero_(dk), torch::stable::zero_(dv);
+    if (d_sum_buffer) torch::stable::zero_(*d_sum_buffer);  // no key: P = 0, so dP = 0 and O = 0
     return {dq, dk, dv};
   }
   // The kernels write dK and dV per query head. For GQA/MQA those slices are float32 and each group is summed before
@@ -291,7 +324,9 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
   }
   Tensor dq_accum = varlen ? new_tensor(q, {nheads, q.size(0), head_dim}, ScalarType::Float)
                            : new_tensor(q, {q.size(0), nheads, q.size(1), head_dim}, ScalarType::Float);
-  Tensor d_sum = varlen ? new_tensor(lse, {lse.size(0), lse.size(1)}) : new_tensor(lse, {lse.size(0), lse.size(1), lse.size(2)});
+  Tensor d_sum = d_sum_buffer ? *d_sum_buffer
+                 : varlen     ? new_tensor(lse, {lse.size(0), lse.size(1)})
+                              : new_tensor(lse, {lse.size(0), lse.size(1), lse.size(2)});
   BwdParams p;
   fill_common(p, q, k, v, out, lse, s, softmax_scale, causal, f, cu_q, cu_k);
   p.dout = dout.data_ptr();
@@ -337,16 +372,17 @@ std::tuple<Tensor, Tensor> fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_se
                  std::nullopt);
 }
 
-// The backward needs no sink: the forward's lse includes it, so the recomputed P is right (its gradient is
-// computed in Python from lse and rowsum(dO * O)). ALiBi slopes get no gradient, as in flash-attn.
+// The backward needs no sink: the forward's lse includes it, so the recomputed P is right. Its gradient is computed
+// in Python from lse and D = rowsum(dO * O) (ops.sink_grad), which the backward's preprocess writes into `d_sum`
+// (laid out like lse) where the caller passes it. ALiBi slopes get no gradient, as in flash-attn.
 std::tuple<Tensor, Tensor, Tensor> bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
                                        std::optional<double> softmax_scale, bool causal, bool deterministic,
                                        int64_t window_left, int64_t window_right, double softcap,
                                        std::optional<Tensor> alibi_slopes, double dropout_p,
-                                       std::optional<Tensor> rng_state) {
+                                       std::optional<Tensor> rng_state, std::optional<Tensor> d_sum) {
   const Features f{window_left, window_right, softcap, opt(alibi_slopes), dropout_p, opt(rng_state), nullptr};
   return backward(dout, q, k, v, out, lse, nullptr, nullptr, 0, 0, softmax_scale, causal, f, deterministic,
-                  std::nullopt, std::nullopt, std::nullopt);
+                  std::nullopt, std::nullopt, std::nullopt, d_sum);
 }
 
 std::tuple<Tensor, Tensor, Tensor> bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
@@ -354,10 +390,10 @@ std::tuple<Tensor, Tensor, Tensor> bwd_varlen(Tensor dout, Tensor q, Tensor k, T
                                               int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal,
                                               bool deterministic, int64_t window_left, int64_t window_right,
                                               double softcap, std::optional<Tensor> alibi_slopes, double dropout_p,
-                                              std::optional<Tensor> rng_state) {
+                                              std::optional<Tensor> rng_state, std::optional<Tensor> d_sum) {
   const Features f{window_left, window_right, softcap, opt(alibi_slopes), dropout_p, opt(rng_state), nullptr};
   return backward(dout, q, k, v, out, lse, &cu_seqlens_q, &cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                  causal, f, deterministic, std::nullopt, std::nullopt, std::nullopt);
+                  causal, f, deterministic, std::nullopt, std::nullopt, std::nullopt, d_sum);
 }
 
 // The public fwd/bwd with caller-provided outputs (out=, dq=, dk=, dv=), padded or packed.
@@ -380,7 +416,7 @@ void bwd_out(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, 
   const Tensor* cu_k = cu_seqlens_k ? &*cu_seqlens_k : nullptr;
   const Features f{window_left, window_right, softcap, opt(alibi_slopes), dropout_p, opt(rng_state), nullptr};
   backward(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, f, deterministic, dq,
-           dk, dv);
+           dk, dv, std::nullopt);
 }
 
 }  // namespace

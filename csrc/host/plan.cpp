@@ -148,6 +148,17 @@ int pick_head_dim(int head_dim, DType dtype, const char* kind) {
 
 bool reads_pages(int head_dim) { return fwd_reads_pages(head_dim); }
 
+int pick_paged_head_dim(int head_dim, DType dtype) {
+  int best = 0;
+  for (const auto& inst : kFwdInstances) {
+    if (inst.dtype == dtype && inst.head_dim >= head_dim && fwd_reads_pages(inst.head_dim) &&
+        (best == 0 || inst.head_dim < best)) {
+      best = inst.head_dim;
+    }
+  }
+  return best;
+}
+
 FwdPlan plan_forward(FwdParams& p, DType dtype, int head_dim, int requested_splits, const DeviceInfo& device) {
   FwdPlan plan;
   plan.head_dim = head_dim;

@@ -22,6 +22,9 @@ int pick_head_dim(int head_dim, DType dtype, const char* kind);
 
 // Whether the forward at this compiled head dim reads paged KV caches (sm80/config.h: fwd_reads_pages).
 bool reads_pages(int head_dim);
+// The compiled head dim a paged KV cache of this head dim runs on: the smallest in the build at or above it whose
+// forward reads pages (the kernels mask the columns past the call's head dim); 0 if the build has none.
+int pick_paged_head_dim(int head_dim, DType dtype);
 
 // The family a forward runs on: the Hopper family where the device runs it and it serves the call (sm90/config.h:
 // fwd_serves), unless the FA2_FAMILY environment variable ("sm80", "sm90") or the test override says otherwise; a

@@ -28,17 +28,19 @@ _LIB = torch.library.Library("fa2", "DEF")
 _FEATURES = ("int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
              "float dropout_p=0.0, Tensor? rng_state=None")
 _SINK = "Tensor? sink=None"
+_D_SUM = "Tensor(a!)? d_sum=None"
 _SCHEMAS = {
     "fwd": "fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale, bool causal, bool deterministic=False, "
            f"{_FEATURES}, {_SINK}) -> (Tensor, Tensor)",
+    # d_sum, where given: D = rowsum(dO * O) laid out like lse, written by the backward (the sink's gradient needs it).
     "bwd": "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float? softmax_scale, bool causal, "
-           f"bool deterministic, {_FEATURES}) -> (Tensor, Tensor, Tensor)",
+           f"bool deterministic, {_FEATURES}, {_D_SUM}) -> (Tensor, Tensor, Tensor)",
     "fwd_varlen": "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
                   "SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, "
                   f"bool deterministic=False, {_FEATURES}, {_SINK}) -> (Tensor, Tensor)",
     "bwd_varlen": "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
                   "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, "
-                  f"bool deterministic, {_FEATURES}) -> (Tensor, Tensor, Tensor)",
+                  f"bool deterministic, {_FEATURES}, {_D_SUM}) -> (Tensor, Tensor, Tensor)",
     # fa2.fwd / fa2.bwd (and the varlen pair) with caller-provided outputs; cu_seqlens None for padded batches.
     "fwd_out": "fwd_out(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
                "SymInt max_seqlen_k, float? softmax_scale, bool causal, Tensor(a!) out, "
@@ -51,7 +53,9 @@ _SCHEMAS = {
     "fwd_kvcache": "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
                    "Tensor? cache_seqlens, int cache_seqlen, Tensor? cache_batch_idx, Tensor? block_table, "
                    "float? softmax_scale, bool causal, int window_left=-1, int window_right=-1, float softcap=0.0, "
-                   "Tensor? alibi_slopes=None, Tensor? sink=None, int num_splits=0) -> (Tensor, Tensor)",
+                   "Tensor? alibi_slopes=None, Tensor? sink=None, int num_splits=0, Tensor? rotary_cos=None, "
+                   "Tensor? rotary_sin=None, bool rotary_interleaved=False, Tensor? cache_leftpad=None) "
+                   "-> (Tensor, Tensor)",
 }
 for _schema in _SCHEMAS.values():
     _LIB.define(_schema)
@@ -218,18 +222,20 @@ def slopes(alibi_slopes: Optional[Tensor]) -> Optional[Tensor]:
     return alibi_slopes.detach().float().contiguous()
 
 
-def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor, cu_seqlens_q: Optional[Tensor] = None) -> Tensor:
+def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor, cu_seqlens_q: Optional[Tensor] = None,
+              d_sum: Optional[Tensor] = None) -> Tensor:
     """d sink_h = -sum_i exp(sink_h - lse_i) * D_i with D = rowsum(dO * O): the sink's probability times its
-    (zero) value's dP minus D, summed over the rows of head h (fa2.reference derives it)."""
-    d = (dout.float() * out.float()).sum(-1)  # (batch, seqlen, nheads) or (total, nheads)
+    (zero) value's dP minus D, summed over the rows of head h (fa2.reference derives it). d_sum: D laid out like lse,
+    as the bwd ops write it when given one (then dout and out are not read); None: computed here."""
+    if d_sum is None:
+        d = (dout.float() * out.float()).sum(-1)  # (batch, seqlen, nheads) or (total, nheads)
+        d_sum = d.transpose(1, 2) if cu_seqlens_q is None else d.t()
     if cu_seqlens_q is None:
-        p_sink = torch.exp(sink[None, :, None] - lse)  # (batch, nheads, seqlen)
-        return -(p_sink * d.transpose(1, 2)).sum((0, 2))
+        return -(torch.exp(sink[None, :, None] - lse) * d_sum).sum((0, 2))  # (batch, nheads, seqlen)
     # Packed rows outside every sequence were never written: they count for nothing.
     rows = torch.arange(lse.shape[1], device=lse.device)
     inside = (rows >= cu_seqlens_q[0]) & (rows < cu_seqlens_q[-1])
-    p_sink = torch.where(inside, torch.exp(sink[:, None] - lse), 0.0)  # (nheads, total)
-    return -(p_sink * torch.where(inside[:, None], d, 0.0).t()).sum(1)
+    return -torch.where(inside, torch.exp(sink[:, None] - lse) * d_sum, 0.0).sum(1)  # (nheads, total)
 
 
 def pad_head_dim(*tensors: Tensor):
@@ -258,10 +264,12 @@ def _grads(ctx, bwd, dout, saved):
     """The gradients of every forward input: dq, dk, dv from the bwd op, None for the options (ALiBi slopes
     included, as in flash-attn), dsink last."""
     q, k, v, out, lse, alibi_slopes, rng_state, sink, *cu_seqlens = saved
-    grads = bwd(dout, q, k, v, out, lse, *cu_seqlens, *ctx.args, alibi_slopes, ctx.dropout_p, rng_state)
+    # The sink's gradient takes D = rowsum(dO * O) from the backward's preprocess, which computes it anyway.
+    d_sum = torch.empty_like(lse) if sink is not None and ctx.needs_input_grad[-1] else None
+    grads = bwd(dout, q, k, v, out, lse, *cu_seqlens, *ctx.args, alibi_slopes, ctx.dropout_p, rng_state, d_sum)
     dsink = None
-    if sink is not None and ctx.needs_input_grad[-1]:
-        dsink = sink_grad(dout, out, lse, sink, cu_seqlens[0] if cu_seqlens else None)
+    if d_sum is not None:
+        dsink = sink_grad(dout, out, lse, sink, cu_seqlens[0] if cu_seqlens else None, d_sum=d_sum)
     return (*grads, *(None,) * (len(ctx.needs_input_grad) - 4), dsink)
 
 
@@ -375,11 +383,17 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      max_seqlen_k: int, *, causal: bool = False, softmax_scale: Optional[float] = None,
                      deterministic: bool = False, window_size=(-1, -1), softcap: float = 0.0,
                      alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
-                     sink: Optional[Tensor] = None) -> Tensor:
+                     sink: Optional[Tensor] = None, block_table: Optional[Tensor] = None) -> Tensor:
     """fa2.attention over packed sequences (layout as fa2.fwd_varlen): q (total_q, nheads, head_dim), k and v
     (total_k, nheads_k, head_dim), sequence b owning rows [cu_seqlens[b], cu_seqlens[b + 1]). The options are
-    fa2.attention's, per sequence."""
+    fa2.attention's, per sequence. With block_table (int32 (batch, max_pages)), k and v are paged caches
+    (num_pages, page_size, nheads_k, head_dim) holding sequence b's keys in rows [0, cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b]) of its pages (paged prefill): they are gathered into packed tensors first
+    (fa2.kvcache.packed_from_pages says what that costs)."""
     check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if block_table is not None:
+        from fa2.kvcache import packed_from_pages  # kvcache imports this module
+        k, v = (packed_from_pages(t, block_table, cu_seqlens_k, max_seqlen_k) for t in (k, v))
     if not torch.compiler.is_compiling():
         check_max_seqlens(max_seqlen_q, max_seqlen_k)
     left, right = window(window_size)

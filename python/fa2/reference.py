@@ -291,13 +291,45 @@ def kvcache_rows(cache: torch.Tensor, b: int, count: int, *, cache_batch_idx=Non
     return cache[kvcache_index(cache, b, rows, cache_batch_idx=cache_batch_idx, block_table=block_table)]
 
 
+def apply_rotary(x, cos, sin, positions, *, interleaved: bool = False):
+    """A rotary embedding (flash-attn's apply_rotary_emb) applied to x (seqlen, nheads, head_dim), computed in x's
+    dtype: row i turns by the angles of row positions[i] of cos and sin ((seqlen_ro, rotary_dim / 2)). Element pairs
+    (j, j + rotary_dim / 2) for j < rotary_dim / 2, or with interleaved (2j, 2j + 1), become
+    (a cos_j - b sin_j, b cos_j + a sin_j); elements from rotary_dim on are unchanged."""
+    half = cos.shape[-1]
+    c = cos[positions.long()].to(x.dtype)[:, None, :]
+    s = sin[positions.long()].to(x.dtype)[:, None, :]
+    if interleaved:
+        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        turned = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+    else:
+        a, b = x[..., :half], x[..., half:2 * half]
+        turned = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+    return torch.cat([turned, x[..., 2 * half:]], dim=-1)
+
+
+def rotary_q_per_row(capacity: int, *, causal: bool = False, window_size=(-1, -1)) -> bool:
+    """Whether a KV-cache call with a rotary embedding turns q's row i at position cache_seqlens[b] + i (True) or every
+    row at cache_seqlens[b] (False). flash-attn's rule: rows advance where the mask depends on the row, causal or a
+    window bound in [0, capacity) (a bound of at least the capacity is unbounded there)."""
+    return causal or any(0 <= w < capacity for w in window_size)
+
+
 def attention_with_kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
-                               block_table=None, **options):
+                               block_table=None, rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = False,
+                               cache_leftpad=None, **options):
     """fa2.attention_with_kvcache as a formula: the new rows k, v (batch, seqlen_new, nheads_k, head_dim), if any, are
     written to rows cache_seqlens[b] + s of each sequence's cache (kvcache_index's layout), then sequence b's queries
     attend to its first cache_seqlens[b] + seqlen_new rows as attention_ref (options: causal, softmax_scale, window,
     softcap, alibi_slopes, sink) would. cache_seqlens: an int for every sequence, a (batch,) tensor, or None (the
-    whole capacity). Returns (out, lse, k_cache, v_cache): the caches as new tensors, the inputs unchanged."""
+    whole capacity). Returns (out, lse, k_cache, v_cache): the caches as new tensors, the inputs unchanged.
+
+    rotary_cos, rotary_sin ((seqlen_ro, rotary_dim / 2), with k): the new keys are turned by apply_rotary at their
+    cache rows' positions, cache_seqlens[b] + s, in float64 and rounded once to the cache's dtype; q's row i at
+    cache_seqlens[b] + i where rotary_q_per_row says so, else at cache_seqlens[b], in q's dtype (float64 for the
+    reference). cache_leftpad ((batch,)): sequence b's keys are rows [cache_leftpad[b], cache_seqlens[b] +
+    seqlen_new) of its cache (cache_seqlens counts the pad rows), so causal masks, windows and ALiBi count from the
+    pad's end; the rotary positions stay the cache rows'."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     batch, seqlen_new = q.shape[0], 0 if k is None else k.shape[1]
     capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
@@ -308,18 +340,31 @@ def attention_with_kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, cache_seq
     else:
         held = [int(n) for n in cache_seqlens]
     where = dict(cache_batch_idx=cache_batch_idx, block_table=block_table)
+    if (rotary_cos is None) != (rotary_sin is None) or (rotary_cos is not None and k is None):
+        raise ValueError("rotary_cos and rotary_sin go together, and need the new keys k")
+    per_row = rotary_q_per_row(capacity, causal=options.get("causal", False),
+                               window_size=options.get("window_size", (-1, -1)))
     outs, lses = [], []
     for b in range(batch):
+        queries = q[b]
         if seqlen_new:
             rows = torch.arange(held[b], held[b] + seqlen_new, device=k_cache.device)
             where_rows = kvcache_index(k_cache, b, rows, **where)
-            k_cache[where_rows], v_cache[where_rows] = k[b], v[b]
+            new_keys = k[b]
+            if rotary_cos is not None:
+                new_keys = apply_rotary(k[b].double(), rotary_cos, rotary_sin, rows, interleaved=rotary_interleaved)
+            k_cache[where_rows], v_cache[where_rows] = new_keys.to(k_cache.dtype), v[b]
+        if rotary_cos is not None:
+            positions = held[b] + (torch.arange(q.shape[1], device=q.device) if per_row else
+                                   torch.zeros(q.shape[1], dtype=torch.long, device=q.device))
+            queries = apply_rotary(q[b], rotary_cos, rotary_sin, positions, interleaved=rotary_interleaved)
         count = held[b] + seqlen_new
-        keys = kvcache_rows(k_cache, b, count, **where)[None]
-        values = kvcache_rows(v_cache, b, count, **where)[None]
+        start = 0 if cache_leftpad is None else int(cache_leftpad[b])
+        keys = kvcache_rows(k_cache, b, count, **where)[None, start:]
+        values = kvcache_rows(v_cache, b, count, **where)[None, start:]
         slopes = options.get("alibi_slopes")
         per_batch = dict(options, alibi_slopes=slopes[b] if slopes is not None and slopes.dim() == 2 else slopes)
-        out, lse = attention_ref(q[b:b + 1], keys, values, **per_batch)
+        out, lse = attention_ref(queries[None], keys, values, **per_batch)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses), k_cache, v_cache

@@ -4,10 +4,10 @@
     from fa2 import flash_attn_qkvpacked_func, flash_attn_kvpacked_func                # and their varlen forms
 
 Argument names, order, defaults and return values are those of flash-attn 2.8's flash_attn/flash_attn_interface.py.
-Options fa2 does not implement raise NotImplementedError naming the option, before any other check. window_size
-takes what flash-attn takes: ints or integer 0-d tensors (its tests pass torch.randint values), any negative entry
-meaning unbounded. The packed functions slice qkv / kv into views and call the unpacked ones; autograd carries the
-gradients back into the packed tensor.
+Every option of flash-attn 2.8's functions is served, paged prefill and the KV-cache call's rotary embedding and
+left padding included. window_size takes what flash-attn takes: ints or integer 0-d tensors (its tests pass
+torch.randint values), any negative entry meaning unbounded. The packed functions slice qkv / kv into views and call
+the unpacked ones; autograd carries the gradients back into the packed tensor.
 
 return_attn_probs=True returns (out, softmax_lse, S_dmask), as flash-attn does, for tests. Without dropout S_dmask is
 flash-attn's empty tensor (shape (0,)). With dropout it is laid out and encoded as flash-attn's kernel writes it and
@@ -25,25 +25,9 @@ from __future__ import annotations
 import torch
 
 from fa2 import reference
-from fa2.kvcache import attention_with_kvcache
+from fa2.kvcache import attention_with_kvcache, packed_from_pages
 from fa2.ops import (FWD, FWD_VARLEN, attend_with_lse, attention, attention_varlen, check_max_seqlens, check_tensors,
                      describe, dropout_state, slopes)
-
-# Each option fa2 lacks: (name, its "off" test, what it would have done).
-_UNSUPPORTED = (
-    ("block_table", lambda x: x is None, "a paged KV cache outside flash_attn_with_kvcache"),
-    ("rotary_cos", lambda x: x is None, "rotary embedding inside the attention call (apply it to q and k first)"),
-    ("rotary_sin", lambda x: x is None, "rotary embedding inside the attention call (apply it to q and k first)"),
-    ("cache_leftpad", lambda x: x is None, "left-padded KV caches"),
-)
-
-
-def _reject_unsupported(**options) -> None:
-    for name, off, what in _UNSUPPORTED:
-        if name in options and not off(options[name]):
-            raise NotImplementedError(f"fa2 does not implement {what}: {name}={describe(options[name])} is not "
-                                      f"supported (leave {name} at its default, or use the flash-attn package)")
-
 
 def _window(window_size, causal):
     """flash-attn's window_size as fa2's (left, right) ints. As in flash-attn: an entry may be an integer 0-d tensor
@@ -100,9 +84,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """fa2.attention_varlen under flash-attn's signature. q: (total_q, nheads, head_dim); k, v: (total_k,
     nheads_k, head_dim); cu_seqlens_*: int32 (batch + 1,). Returns out, (total_q, nheads, head_dim); with
     return_attn_probs, (out, softmax_lse (nheads, total_q) fp32, S_dmask), S_dmask as the module docstring says
-    (sequence b in the top-left corner of slice b)."""
-    _reject_unsupported(block_table=block_table)
+    (sequence b in the top-left corner of slice b). With block_table (int32 (batch, max_pages)), k and v are paged
+    caches (num_pages, page_size, nheads_k, head_dim), sequence b's keys in rows [0, cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b]) of its pages (paged prefill; fa2.kvcache.packed_from_pages gathers them first)."""
     window_size = _window(window_size, causal)
+    if block_table is not None:
+        check_tensors(k=k, v=v, block_table=block_table, cu_seqlens_k=cu_seqlens_k)
+        check_max_seqlens(max_seqlen_q, max_seqlen_k)
+        k, v = (packed_from_pages(t, block_table, cu_seqlens_k, max_seqlen_k) for t in (k, v))
     if not return_attn_probs:
         return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 softmax_scale=softmax_scale, deterministic=deterministic, window_size=window_size,
@@ -128,14 +117,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False):
     """fa2.attention_with_kvcache under flash-attn's signature: k and v, if given, are appended to the caches in
     place at cache_seqlens, then q attends to each sequence's cache. Returns out, or (out, softmax_lse) with
-    return_softmax_lse. Rotary embedding (rotary_cos/rotary_sin) and cache_leftpad raise NotImplementedError;
-    paged caches take page sizes that are multiples of 64 (flash-attn's 256 among them)."""
-    _reject_unsupported(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad)
+    return_softmax_lse. rotary_cos/rotary_sin (with k and v; rotary_interleaved, flash-attn's default True) rotate q
+    and the new keys in the append's launch, and cache_leftpad starts each sequence's cache at a row, both with
+    flash-attn's positions (fa2.attention_with_kvcache says which). Paged caches take page sizes that are
+    multiples of 64 (flash-attn's 256 among them), at every head dim."""
     return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                   cache_batch_idx=cache_batch_idx, block_table=block_table, causal=causal,
                                   softmax_scale=softmax_scale, window_size=_window(window_size, causal),
                                   softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
-                                  return_lse=return_softmax_lse)
+                                  return_lse=return_softmax_lse, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                  rotary_interleaved=rotary_interleaved, cache_leftpad=cache_leftpad)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
