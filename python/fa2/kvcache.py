@@ -92,11 +92,11 @@ def packed_from_pages(cache: Tensor, block_table: Tensor, cu_seqlens_k: Tensor, 
     reads: row r < cu_seqlens_k[b + 1] - cu_seqlens_k[b] of sequence b is row r % page_size of page
     block_table[b, r // page_size] of cache (num_pages, page_size, nheads_k, head_dim), and lands at row
     cu_seqlens_k[b] + r of the result, (cu_seqlens_k[-1], nheads_k, head_dim). Paged prefill (flash-attn's block_table
-    in flash_attn_varlen_func) runs this gather and then the packed kernels: it copies each sequence's rows once
-    (batch * max_seqlen_k rows gathered), reads cu_seqlens_k[-1] on the host as the varlen call's checks do, and
-    autograd carries gradients into the cache (none into rows past a sequence's length). While a CUDA graph is
-    captured or torch.compile traces, nothing is read back: the result then has batch * max_seqlen_k + 1 rows, those
-    past cu_seqlens_k[-1] unread. Page ids are clamped to the cache."""
+    in flash_attn_varlen_func) runs this gather and then the packed kernels: it copies each sequence's rows once (one
+    gather), reads cu_seqlens_k[-1] on the host as the varlen call's checks do, and autograd carries gradients into
+    the cache rows read. While a CUDA graph is
+    captured or torch.compile traces, nothing is read back: the result then has batch * max_seqlen_k rows, those
+    past cu_seqlens_k[-1] zero and unread. Page ids are clamped to the cache."""
     ops.check_tensors(cache=cache, block_table=block_table, cu_seqlens_k=cu_seqlens_k)
     if block_table.dim() != 2 or block_table.dtype != torch.int32:
         raise TypeError(f"block_table must be an int32 (batch, max_pages) tensor, got {ops.describe(block_table)}")
@@ -110,16 +110,16 @@ def packed_from_pages(cache: Tensor, block_table: Tensor, cu_seqlens_k: Tensor, 
     if isinstance(max_seqlen_k, bool) or not hasattr(max_seqlen_k, "__index__") or not 0 <= max_seqlen_k <= capacity:
         raise ValueError(f"max_seqlen_k must be an int in [0, {capacity}] (block_table's pages hold {capacity} rows "
                          f"a sequence), got {max_seqlen_k!r}")
-    batch = block_table.shape[0]
-    rows = torch.arange(max_seqlen_k, device=cache.device)
-    pages = block_table.long()[:, rows // page_size].clamp(0, cache.shape[0] - 1)  # (batch, max_seqlen_k)
-    starts, lens = cu_seqlens_k[:-1].long(), (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
-    valid = (rows[None, :] < lens[:, None]).flatten()
-    gathered = cache[pages, (rows % page_size)[None, :].expand(batch, -1)].flatten(0, 1)
-    gathered = gathered.masked_fill(~valid[:, None, None], 0)  # rows past a length: no value, no gradient
+    batch, max_pages = block_table.shape
     traced = torch.compiler.is_compiling() or (cache.is_cuda and torch.cuda.is_current_stream_capturing())
     total = batch * max_seqlen_k if traced else int(cu_seqlens_k[-1])
-    # Rows past a sequence's length all go to one extra last row, which the eager result leaves out.
-    where = torch.where(valid, (starts[:, None] + rows[None, :]).flatten(), total).clamp(0, total)
-    packed = cache.new_zeros((total + 1, *cache.shape[2:])).index_copy(0, where, gathered)
-    return packed if traced else packed[:total]
+    # Each packed row t reads its own source: sequence b (the last whose start is <= t), row r = t - start of it.
+    rows = torch.arange(total, device=cache.device)
+    starts = cu_seqlens_k.long()
+    seq = torch.searchsorted(starts[1:], rows, right=True).clamp(max=batch - 1)
+    r = rows - starts[seq]
+    pages = block_table.long()[seq, (r // page_size).clamp(0, max_pages - 1)].clamp(0, cache.shape[0] - 1)
+    packed = cache[pages, r % page_size]
+    if traced:  # rows past cu_seqlens_k[-1]: no value, no gradient
+        packed = packed.masked_fill((rows >= starts[-1])[:, None, None], 0)
+    return packed
