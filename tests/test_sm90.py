@@ -7,6 +7,8 @@ import torch
 
 import fa2
 from fa2 import ops
+from fa2.reference import attention_ref
+from fa2.testing import assert_close_to_ref, assert_lse_close, assert_written, poison
 
 from test_fwd import check_fwd, randn
 
@@ -56,6 +58,28 @@ def test_the_family_that_runs_is_the_one_planned(d, launch_overrides):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,sq,sk,hk", [(64, 300, 257, 4), (128, 1000, 1000, 2), (256, 129, 700, 1), (128, 200, 70, 4)])
+def test_hopper_forward_with_sinks_matches_the_reference(d, sq, sk, hk, causal, launch_overrides):
+    """Sinks (gpt-oss): one logit per head joins every row's denominator, in the Hopper family's finalize; rows that
+    see no key (causal, seqlen_q > seqlen_k) get O = 0 and lse = the sink. Sinks from -8 to 8 against scores of ~N(0, 1)
+    magnitude, so the sink dominates some rows and vanishes in others."""
+    launch_overrides(family="sm90")
+    q, k, v = randn(2, sq, 4, d), randn(2, sk, hk, d), randn(2, sk, hk, d)
+    sink = torch.linspace(-8, 8, 4, device="cuda").to(q.dtype)
+    out = poison(torch.empty_like(q))
+    result, lse = fa2.fwd(q, k, v, causal=causal, sink=sink, out=out)
+    assert result is out
+    assert_written(out, name="out")
+    out64, lse64 = attention_ref(q.double(), k.double(), v.double(), causal=causal, sink=sink.double())
+    out_low, _ = attention_ref(q, k, v, causal=causal, sink=sink, upcast=False)
+    _, lse32 = attention_ref(q, k, v, causal=causal, sink=sink.float(), dtype=torch.float32)
+    tag = f"sm90 sink d{d} {sq}x{sk} causal={causal}"
+    assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
+    assert_lse_close(lse, lse64, lse32, name=f"lse {tag}")
+
+
+@pytest.mark.gpu
 def test_hopper_forward_reads_strided_views(launch_overrides):
     """q, k and v as slices of one packed (batch, seqlen, 3, heads, d) tensor: TMA reads the caller's strides."""
     launch_overrides(family="sm90")
@@ -91,6 +115,8 @@ def test_the_plan_names_the_family(recording, launch_overrides):
     hopper = "sm90" in built["families"]
     plan = recording.calls[-1][1]["plan"]
     assert plan["family"] == ("sm90" if hopper else "sm80")
+    fa2.fwd(q, k, v, sink=torch.zeros(4))
+    assert recording.calls[-1][1]["plan"]["family"] == plan["family"]  # sinks: the Hopper finalize adds them
     fa2.fwd(q, k, v, softcap=30.0)
     assert recording.calls[-1][1]["plan"]["family"] == "sm80"  # softcap: not served yet
 

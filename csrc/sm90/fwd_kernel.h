@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
 
     // ---------------------------------------------------------------------------------------- epilogue
     float lse[kRows];
-    softmax.finalize(acc_o, p.scale, lse);
+    softmax.finalize(acc_o, p.scale, p.sink == nullptr ? nullptr : p.sink + w.head, lse);
     Element* o = p.o + w.batch * p.o_batch_stride + w.head * p.o_head_stride;
     float* lse_row = p.lse + (int64_t(w.batch) * p.nheads + w.head) * p.seqlen_q;
     CUTE_UNROLL
