@@ -80,6 +80,27 @@ def test_hopper_forward_with_sinks_matches_the_reference(d, sq, sk, hk, causal, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [5.0, 30.0])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,sq,sk,hk", [(64, 300, 257, 4), (128, 1000, 1000, 2), (256, 129, 700, 1)])
+def test_hopper_forward_with_softcap_matches_the_reference(d, sq, sk, hk, causal, softcap, launch_overrides):
+    """Softcap (Gemma 2): scores softcap * tanh(s / softcap) before the masks; 5 caps most scores (scaled by 3 so that
+    they reach it), 30 few."""
+    launch_overrides(family="sm90")
+    q, k, v = 3 * randn(2, sq, 4, d), randn(2, sk, hk, d), randn(2, sk, hk, d)
+    out = poison(torch.empty_like(q))
+    result, lse = fa2.fwd(q, k, v, causal=causal, softcap=softcap, out=out)
+    assert result is out
+    assert_written(out, name="out")
+    out64, lse64 = attention_ref(q.double(), k.double(), v.double(), causal=causal, softcap=softcap)
+    out_low, _ = attention_ref(q, k, v, causal=causal, softcap=softcap, upcast=False)
+    _, lse32 = attention_ref(q, k, v, causal=causal, softcap=softcap, dtype=torch.float32)
+    tag = f"sm90 softcap {softcap} d{d} {sq}x{sk} causal={causal}"
+    assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
+    assert_lse_close(lse, lse64, lse32, name=f"lse {tag}")
+
+
+@pytest.mark.gpu
 def test_hopper_forward_reads_strided_views(launch_overrides):
     """q, k and v as slices of one packed (batch, seqlen, 3, heads, d) tensor: TMA reads the caller's strides."""
     launch_overrides(family="sm90")
@@ -118,7 +139,9 @@ def test_the_plan_names_the_family(recording, launch_overrides):
     fa2.fwd(q, k, v, sink=torch.zeros(4))
     assert recording.calls[-1][1]["plan"]["family"] == plan["family"]  # sinks: the Hopper finalize adds them
     fa2.fwd(q, k, v, softcap=30.0)
-    assert recording.calls[-1][1]["plan"]["family"] == "sm80"  # softcap: not served yet
+    assert recording.calls[-1][1]["plan"]["family"] == plan["family"]  # softcap: a tanh per score
+    fa2.fwd(q, k, v, alibi_slopes=torch.ones(4))
+    assert recording.calls[-1][1]["plan"]["family"] == "sm80"  # ALiBi: not served yet
 
 
 def test_a_family_override_must_name_a_family():

@@ -12,6 +12,7 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "common/band.h"
 #include "sm90/softmax.h"
 #include "sm90/tile_scheduler.h"
 #include "sm90/traits.h"
@@ -190,8 +191,13 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
     clear(tOrO);
     softmax.reset();
 
-    // Masks: keys past seqlen_k (TMA brought zeros there), and for causal keys right of a row's diagonal.
-    auto mask = [&](auto& s, int n) {
+    // Softcap (a tanh per score, before the masks), then the masks: keys past seqlen_k (TMA brought zeros there),
+    // and for causal keys right of a row's diagonal.
+    auto finish_scores = [&](auto& s, int n) {
+      if (p.softcap_in > 0.f) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(s); ++i) s(i) = tanh_fast(s(i) * p.softcap_in);
+      }
       const int key0 = n * kBlockN;
       if (key0 + kBlockN > p.seqlen_k || (scheduler.causal && key0 + kBlockN - 1 > first_row + diagonal)) {
         CUTE_UNROLL
@@ -218,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
       pingpong.pass();
       warpgroup_wait<0>();
       k_pipe.consumer_release(stage);
-      mask(s, n_end - 1);
+      finish_scores(s, n_end - 1);
       softmax.template update</*kFirst=*/true>(s, p.scale_log2);
       // P from registers: the S accumulator converted, relabelled as the A operand of P V.
       Tensor tSrP = make_tensor<Element>(tSrS.layout());
@@ -238,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
         pingpong.pass();
         warpgroup_wait<1>();  // S_n is done; P V may still run
         k_pipe.consumer_release(stage);
-        mask(s, n);
+        finish_scores(s, n);
         softmax.template update<false>(s, p.scale_log2);
         warpgroup_wait<0>();
         v_pipe.consumer_release(v_stage);

@@ -100,6 +100,7 @@ struct FwdKernelParams {
   int seqlen_q, seqlen_k, nheads, head_group_kv;  // head_group_kv: query heads per K/V head
   float scale, scale_log2;  // the scores' scale (softmax_scale) and it times log2(e)
   const float* sink;        // (nheads,) logits joining each row's denominator (common/params.h); nullptr: none
+  float softcap_in;         // > 0: the scores are tanh(q k^T * softcap_in) (common/params.h), scale being softcap
   TileScheduler scheduler;  // the tiles and their order; its causal flag is the call's
   int* tile_counter;        // tiles handed out past the first gridDim.x, zeroed before the launch
 };
