@@ -101,7 +101,8 @@ struct FwdKernelParams {
   float scale, scale_log2;  // the scores' scale (softmax_scale) and it times log2(e)
   const float* sink;        // (nheads,) logits joining each row's denominator (common/params.h); nullptr: none
   float softcap_in;         // > 0: the scores are tanh(q k^T * softcap_in) (common/params.h), scale being softcap
-  TileScheduler scheduler;  // the tiles and their order; its causal flag is the call's
+  int window_left, window_right;  // the band (common/band.h); -1: unbounded; causal is window_right = 0
+  TileScheduler scheduler;  // the tiles and their order
   int* tile_counter;        // tiles handed out past the first gridDim.x, zeroed before the launch
 };
 
