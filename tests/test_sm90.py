@@ -51,9 +51,9 @@ def test_the_family_that_runs_is_the_one_planned(d, launch_overrides):
     assert hopper == hopper_expected(), names
     launch_overrides(family="sm80")
     assert not any("sm90" in n for n in kernel_names(lambda: fa2.fwd(q, k, v, causal=True)))
-    # What the family does not serve (here ALiBi) falls back by the plan, never by error.
+    # What the family does not serve (here dropout) falls back by the plan, never by error.
     launch_overrides(family="sm90")
-    names = kernel_names(lambda: fa2.fwd(q, k, v, alibi_slopes=torch.ones(4, device="cuda")))
+    names = kernel_names(lambda: fa2.fwd(q, k, v, dropout_p=0.1))
     assert names and not any("sm90" in n for n in names), names
 
 
@@ -100,6 +100,29 @@ def test_hopper_forward_with_windows_matches_the_reference(d, sq, sk, hk, window
     tag = f"sm90 window {window} d{d} {sq}x{sk}"
     assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
     assert_lse_close(lse, lse64, lse32, name=f"lse {tag}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,sq,sk,hk", [(64, 300, 257, 4), (128, 1000, 1000, 2), (256, 129, 700, 1)])
+def test_hopper_forward_with_alibi_matches_the_reference(d, sq, sk, hk, causal, launch_overrides):
+    """ALiBi: -slope * |i + seqlen_k - seqlen_q - j| on the scaled scores, per (batch, head) slopes; with softcap 30
+    alone and under softcap 30 (the reference's order: softcap, then the bias)."""
+    launch_overrides(family="sm90")
+    q, k, v = randn(2, sq, 4, d), randn(2, sk, hk, d), randn(2, sk, hk, d)
+    slopes = torch.rand(2, 4, device="cuda") * 0.5
+    for softcap in (0.0, 30.0):
+        out = poison(torch.empty_like(q))
+        result, lse = fa2.fwd(q, k, v, causal=causal, alibi_slopes=slopes, softcap=softcap, out=out)
+        assert result is out
+        assert_written(out, name="out")
+        options = dict(causal=causal, alibi_slopes=slopes, softcap=softcap)
+        out64, lse64 = attention_ref(q.double(), k.double(), v.double(), **options)
+        out_low, _ = attention_ref(q, k, v, upcast=False, **options)
+        _, lse32 = attention_ref(q, k, v, dtype=torch.float32, **options)
+        tag = f"sm90 alibi softcap {softcap} d{d} {sq}x{sk} causal={causal}"
+        assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
+        assert_lse_close(lse, lse64, lse32, name=f"lse {tag}")
 
 
 @pytest.mark.gpu
@@ -163,8 +186,10 @@ def test_the_plan_names_the_family(recording, launch_overrides):
     assert recording.calls[-1][1]["plan"]["family"] == plan["family"]  # sinks: the Hopper finalize adds them
     fa2.fwd(q, k, v, softcap=30.0)
     assert recording.calls[-1][1]["plan"]["family"] == plan["family"]  # softcap: a tanh per score
-    fa2.fwd(q, k, v, alibi_slopes=torch.ones(4))
-    assert recording.calls[-1][1]["plan"]["family"] == "sm80"  # ALiBi: not served yet
+    fa2.fwd(q, k, v, alibi_slopes=torch.ones(4), window_size=(100, 0))
+    assert recording.calls[-1][1]["plan"]["family"] == plan["family"]  # ALiBi and windows: in the score transforms
+    fa2.fwd(q, k, v, dropout_p=0.1, rng_state=torch.zeros(2, dtype=torch.int64))
+    assert recording.calls[-1][1]["plan"]["family"] == "sm80"  # dropout: not served yet
 
 
 def test_a_family_override_must_name_a_family():

@@ -196,15 +196,31 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
     clear(tOrO);
     softmax.reset();
 
-    // Softcap (a tanh per score, before the masks), then the masks, on the blocks that need them: keys past seqlen_k
-    // (TMA brought zeros there), and keys outside a row's band (right of it for causal).
+    // The scores' transforms in fa2.reference.attention_ref's order: softcap (a tanh per score), ALiBi (the negated
+    // slope in score units times |row + diagonal - key|), then the masks, on the blocks that need them: keys past
+    // seqlen_k (TMA brought zeros there), and keys outside a row's band (right of it for causal).
     const int left = p.window_left, right = p.window_right;
+    const float alibi =
+        p.alibi_slopes == nullptr ? 0.f : -p.alibi_slopes[w.batch * p.alibi_batch_stride + w.head] / p.scale;
     auto finish_scores = [&](auto& s, int n) {
       if (p.softcap_in > 0.f) {
         CUTE_UNROLL
         for (int i = 0; i < size(s); ++i) s(i) = tanh_fast(s(i) * p.softcap_in);
       }
       const int key0 = n * kBlockN;
+      if (alibi != 0.f) {
+        // A thread's columns are its first one plus constants of the MMA layout: one conversion per row, and per
+        // score an FADD of an immediate, the |.| and an FFMA.
+        const int col0 = get<1>(cS_rc(0, 0));
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(s); ++r) {
+          const float distance = float(first_row + get<0>(cS_rc(r, 0)) + diagonal - key0 - col0);
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s); ++c) {
+            s(r, c) = fmaf(alibi, fabsf(distance - float(get<1>(cS_rc(r, c)) - col0)), s(r, c));
+          }
+        }
+      }
       if (key0 + kBlockN > p.seqlen_k || (right >= 0 && key0 + kBlockN - 1 > first_row + diagonal + right) ||
           (left >= 0 && key0 < last_row + diagonal - left)) {
         CUTE_UNROLL
