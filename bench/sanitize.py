@@ -108,7 +108,7 @@ def run_kvcache():
 
 
 # The Hopper forward (csrc/sm90/: TMA, mbarrier pipelines, wgmma) on every case it serves, each family forced in
-# turn where the build has it: ragged tails in both sequence lengths, GQA, rows that see no key (causal, seqlen_q >
+# turn where the build has it, plain and then with a window, softcap and a sink: ragged tails in both sequence lengths, GQA, rows that see no key (causal, seqlen_q >
 # seqlen_k), q, k, v as strided views of one packed tensor, and more tiles than SMs (a persistent CTA's second tile
 # reuses the shared memory of its first; with empty tiles between).
 HOPPER_CASES = [(1, 77, 133, 4, 2, 64, True), (2, 130, 61, 2, 1, 64, True), (1, 200, 200, 2, 2, 256, True),
@@ -123,8 +123,16 @@ def run_hopper():
     run_cases(HOPPER_CASES, [], (torch.bfloat16,))
     qkv = torch.randn(2, 257, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
     out, _ = fa2.fwd(*qkv.unbind(2), causal=True)
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
+    # The features it serves: a sliding window (blocks skipped on both sides, rows that see no key), softcap, a sink.
+    for b, sq, sk, h, hk, d, causal in HOPPER_CASES:
+        if d not in built:
+            continue
+        q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out, _ = fa2.fwd(q, k, v, window_size=(100, 0 if causal else 30), softcap=20.0,
+                         sink=torch.randn(h, device="cuda"))
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
     fa2._C.set_test_overrides()
 
 

@@ -7,6 +7,8 @@ import torch
 
 import fa2
 from fa2 import ops
+from fa2.reference import attention_ref
+from fa2.testing import assert_close_to_ref, assert_lse_close, assert_written, poison
 
 from test_fwd import check_fwd, randn
 
@@ -49,10 +51,99 @@ def test_the_family_that_runs_is_the_one_planned(d, launch_overrides):
     assert hopper == hopper_expected(), names
     launch_overrides(family="sm80")
     assert not any("sm90" in n for n in kernel_names(lambda: fa2.fwd(q, k, v, causal=True)))
-    # What the family does not serve (here a window) falls back by the plan, never by error.
+    # What the family does not serve (here dropout) falls back by the plan, never by error.
     launch_overrides(family="sm90")
-    names = kernel_names(lambda: fa2.fwd(q, k, v, window_size=(64, 0)))
+    names = kernel_names(lambda: fa2.fwd(q, k, v, dropout_p=0.1))
     assert names and not any("sm90" in n for n in names), names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,sq,sk,hk", [(64, 300, 257, 4), (128, 1000, 1000, 2), (256, 129, 700, 1), (128, 200, 70, 4)])
+def test_hopper_forward_with_sinks_matches_the_reference(d, sq, sk, hk, causal, launch_overrides):
+    """Sinks (gpt-oss): one logit per head joins every row's denominator, in the Hopper family's finalize; rows that
+    see no key (causal, seqlen_q > seqlen_k) get O = 0 and lse = the sink. Sinks from -8 to 8 against scores of ~N(0, 1)
+    magnitude, so the sink dominates some rows and vanishes in others."""
+    launch_overrides(family="sm90")
+    q, k, v = randn(2, sq, 4, d), randn(2, sk, hk, d), randn(2, sk, hk, d)
+    sink = torch.linspace(-8, 8, 4, device="cuda").to(q.dtype)
+    out = poison(torch.empty_like(q))
+    result, lse = fa2.fwd(q, k, v, causal=causal, sink=sink, out=out)
+    assert result is out
+    assert_written(out, name="out")
+    out64, lse64 = attention_ref(q.double(), k.double(), v.double(), causal=causal, sink=sink.double())
+    out_low, _ = attention_ref(q, k, v, causal=causal, sink=sink, upcast=False)
+    _, lse32 = attention_ref(q, k, v, causal=causal, sink=sink.float(), dtype=torch.float32)
+    tag = f"sm90 sink d{d} {sq}x{sk} causal={causal}"
+    assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
+    assert_lse_close(lse, lse64, lse32, name=f"lse {tag}")
+
+
+WINDOWS = [(64, 0), (200, 50), (-1, 30), (0, 0), (100, -1), (300, 300)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", WINDOWS, ids=["w{}_{}".format(*w) for w in WINDOWS])
+@pytest.mark.parametrize("d,sq,sk,hk", [(64, 1000, 1000, 4), (128, 300, 1030, 2), (256, 777, 129, 1)])
+def test_hopper_forward_with_windows_matches_the_reference(d, sq, sk, hk, window, launch_overrides):
+    """Sliding windows (Mistral, Gemma): the key blocks outside a query block's band are never loaded, those its
+    edges cross are masked; bottom-right aligned, with seqlen_q above and below seqlen_k (rows that see no key)."""
+    launch_overrides(family="sm90")
+    q, k, v = randn(2, sq, 4, d), randn(2, sk, hk, d), randn(2, sk, hk, d)
+    out = poison(torch.empty_like(q))
+    result, lse = fa2.fwd(q, k, v, window_size=window, out=out)
+    assert result is out
+    assert_written(out, name="out")
+    out64, lse64 = attention_ref(q.double(), k.double(), v.double(), window_size=window)
+    out_low, _ = attention_ref(q, k, v, window_size=window, upcast=False)
+    _, lse32 = attention_ref(q, k, v, window_size=window, dtype=torch.float32)
+    tag = f"sm90 window {window} d{d} {sq}x{sk}"
+    assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
+    assert_lse_close(lse, lse64, lse32, name=f"lse {tag}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,sq,sk,hk", [(64, 300, 257, 4), (128, 1000, 1000, 2), (256, 129, 700, 1)])
+def test_hopper_forward_with_alibi_matches_the_reference(d, sq, sk, hk, causal, launch_overrides):
+    """ALiBi: -slope * |i + seqlen_k - seqlen_q - j| on the scaled scores, per (batch, head) slopes; with softcap 30
+    alone and under softcap 30 (the reference's order: softcap, then the bias)."""
+    launch_overrides(family="sm90")
+    q, k, v = randn(2, sq, 4, d), randn(2, sk, hk, d), randn(2, sk, hk, d)
+    slopes = torch.rand(2, 4, device="cuda") * 0.5
+    for softcap in (0.0, 30.0):
+        out = poison(torch.empty_like(q))
+        result, lse = fa2.fwd(q, k, v, causal=causal, alibi_slopes=slopes, softcap=softcap, out=out)
+        assert result is out
+        assert_written(out, name="out")
+        options = dict(causal=causal, alibi_slopes=slopes, softcap=softcap)
+        out64, lse64 = attention_ref(q.double(), k.double(), v.double(), **options)
+        out_low, _ = attention_ref(q, k, v, upcast=False, **options)
+        _, lse32 = attention_ref(q, k, v, dtype=torch.float32, **options)
+        tag = f"sm90 alibi softcap {softcap} d{d} {sq}x{sk} causal={causal}"
+        assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
+        assert_lse_close(lse, lse64, lse32, name=f"lse {tag}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [5.0, 30.0])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,sq,sk,hk", [(64, 300, 257, 4), (128, 1000, 1000, 2), (256, 129, 700, 1)])
+def test_hopper_forward_with_softcap_matches_the_reference(d, sq, sk, hk, causal, softcap, launch_overrides):
+    """Softcap (Gemma 2): scores softcap * tanh(s / softcap) before the masks; 5 caps most scores (scaled by 3 so that
+    they reach it), 30 few."""
+    launch_overrides(family="sm90")
+    q, k, v = 3 * randn(2, sq, 4, d), randn(2, sk, hk, d), randn(2, sk, hk, d)
+    out = poison(torch.empty_like(q))
+    result, lse = fa2.fwd(q, k, v, causal=causal, softcap=softcap, out=out)
+    assert result is out
+    assert_written(out, name="out")
+    out64, lse64 = attention_ref(q.double(), k.double(), v.double(), causal=causal, softcap=softcap)
+    out_low, _ = attention_ref(q, k, v, causal=causal, softcap=softcap, upcast=False)
+    _, lse32 = attention_ref(q, k, v, causal=causal, softcap=softcap, dtype=torch.float32)
+    tag = f"sm90 softcap {softcap} d{d} {sq}x{sk} causal={causal}"
+    assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
+    assert_lse_close(lse, lse64, lse32, name=f"lse {tag}")
 
 
 @pytest.mark.gpu
@@ -91,8 +182,14 @@ def test_the_plan_names_the_family(recording, launch_overrides):
     hopper = "sm90" in built["families"]
     plan = recording.calls[-1][1]["plan"]
     assert plan["family"] == ("sm90" if hopper else "sm80")
+    fa2.fwd(q, k, v, sink=torch.zeros(4))
+    assert recording.calls[-1][1]["plan"]["family"] == plan["family"]  # sinks: the Hopper finalize adds them
     fa2.fwd(q, k, v, softcap=30.0)
-    assert recording.calls[-1][1]["plan"]["family"] == "sm80"  # softcap: not served yet
+    assert recording.calls[-1][1]["plan"]["family"] == plan["family"]  # softcap: a tanh per score
+    fa2.fwd(q, k, v, alibi_slopes=torch.ones(4), window_size=(100, 0))
+    assert recording.calls[-1][1]["plan"]["family"] == plan["family"]  # ALiBi and windows: in the score transforms
+    fa2.fwd(q, k, v, dropout_p=0.1, rng_state=torch.zeros(2, dtype=torch.int64))
+    assert recording.calls[-1][1]["plan"]["family"] == "sm80"  # dropout: not served yet
 
 
 def test_a_family_override_must_name_a_family():

@@ -28,13 +28,12 @@ constexpr int fwd_smem_bytes(FwdTileShape t, int head_dim) {
 }
 
 // What the forward of this family computes: padded batches of q, k and v (no KV cache, no packed sequences), any
-// lengths, MHA/GQA/MQA, full or causal (bottom-right) attention, at the compiled head dims exactly. Windows, softcap,
-// ALiBi, sinks, dropout and split-KV are the mma.sync family's until this family has them, and so are calls of at
-// most 64 query rows (decoding), whose 64-row tile and split-KV fill the GPU where a 128-row tile would not.
-constexpr bool fwd_serves(int head_dim, int seqlen_q, bool varlen, bool kvcache, int window_left, int window_right,
-                          bool softcap, bool alibi, bool sink, bool dropout) {
-  return fwd_has_tile(head_dim) && seqlen_q > 64 && !varlen && !kvcache && window_left < 0 && window_right <= 0 &&
-         !softcap && !alibi && !sink && !dropout;
+// lengths, MHA/GQA/MQA, full, causal or windowed (bottom-right) attention, softcap, ALiBi and sinks, at the compiled
+// head dims exactly. Dropout and split-KV are the mma.sync family's until this family has them, and so are calls of
+// at most 64 query rows (decoding), whose 64-row tile and split-KV fill the GPU where a 128-row tile would not.
+constexpr bool fwd_serves(int head_dim, int seqlen_q, bool varlen, bool kvcache, int /*window_left*/,
+                          int /*window_right*/, bool /*softcap*/, bool /*alibi*/, bool /*sink*/, bool dropout) {
+  return fwd_has_tile(head_dim) && seqlen_q > 64 && !varlen && !kvcache && !dropout;
 }
 
 }  // namespace fa2::sm90

@@ -12,6 +12,7 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "common/band.h"
 #include "sm90/softmax.h"
 #include "sm90/tile_scheduler.h"
 #include "sm90/traits.h"
@@ -20,13 +21,16 @@
 namespace fa2::sm90 {
 using namespace cute;
 
-// The key blocks [0, end) that a query block's rows see: all of seqlen_k, or up to the causal diagonal of its last
-// row (bottom-right aligned: row i sees keys j <= i + seqlen_k - seqlen_q).
+// The key blocks [begin, end) that a query block's rows see (common/band.h's band, bottom-right aligned: row i sees
+// key j iff i + diagonal - left <= j <= i + diagonal + right, diagonal = seqlen_k - seqlen_q, -1 unbounded, causal
+// being right = 0). end <= begin: no row of the block sees a key.
 template <int kBlockM, int kBlockN>
-__device__ __forceinline__ int key_blocks_end(int m_block, int seqlen_q, int seqlen_k, bool causal) {
-  int end = ceil_div(seqlen_k, kBlockN);
-  if (causal) end = min(end, max(ceil_div((m_block + 1) * kBlockM + seqlen_k - seqlen_q, kBlockN), 0));
-  return end;
+__device__ __forceinline__ int2 key_blocks(int m_block, int seqlen_q, int seqlen_k, int left, int right) {
+  const int diagonal = seqlen_k - seqlen_q, first_row = m_block * kBlockM, last_row = first_row + kBlockM - 1;
+  int begin = 0, end = ceil_div(seqlen_k, kBlockN);
+  if (right >= 0) end = min(end, max(ceil_div(last_row + diagonal + right + 1, kBlockN), 0));
+  if (left >= 0) begin = max(first_row + diagonal - left, 0) / kBlockN;
+  return make_int2(begin, end);
 }
 
 // Ping-pong between the consumer warpgroups: each issues its GEMMs only in its turn (named barrier 1 or 2, beyond
@@ -112,8 +116,9 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
       const WorkTile w = scheduler.tile(t);
       t = next;
       const int head_kv = w.head / p.head_group_kv;
-      const int n_end = key_blocks_end<kBlockM, kBlockN>(w.m_block, p.seqlen_q, p.seqlen_k, scheduler.causal);
-      if (n_end <= 0) continue;  // the consumers write this tile's empty rows without loads
+      const int2 band = key_blocks<kBlockM, kBlockN>(w.m_block, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+      const int n_begin = band.x, n_end = band.y;
+      if (n_end <= n_begin) continue;  // the consumers write this tile's empty rows without loads
       Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, w.head, w.batch);   // (seqlen_q, d)
       Tensor mK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, w.batch);  // (seqlen_k, d)
       Tensor mVt = p.tma_v.get_tma_tensor(shape_vt)(_, _, head_kv, w.batch);  // (d, seqlen_k)
@@ -143,11 +148,11 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
       ++q_loads;
       // The order the consumers use them in: K of block n before V of block n + 1 (whose P V runs under Q K_n^T).
       load_k(n_end - 1);
-      for (int n = n_end - 2; n >= 0; --n) {
+      for (int n = n_end - 2; n >= n_begin; --n) {
         load_k(n);
         load_v(n + 1);
       }
-      load_v(0);
+      load_v(n_begin);
     }
     k_pipe.producer_tail(k_stage);  // no exit while loads into this CTA's shared memory are in flight
     v_pipe.producer_tail(v_stage);
@@ -185,28 +190,54 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
     shared.tile_empty[i & 1].arrive();
     if (t >= num_tiles) break;
     const WorkTile w = scheduler.tile(t);
-    const int n_end = key_blocks_end<kBlockM, kBlockN>(w.m_block, p.seqlen_q, p.seqlen_k, scheduler.causal);
-    const int first_row = w.m_block * kBlockM;
+    const int2 band = key_blocks<kBlockM, kBlockN>(w.m_block, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+    const int n_begin = band.x, n_end = band.y;
+    const int first_row = w.m_block * kBlockM, last_row = first_row + kBlockM - 1;
     clear(tOrO);
     softmax.reset();
 
-    // Masks: keys past seqlen_k (TMA brought zeros there), and for causal keys right of a row's diagonal.
-    auto mask = [&](auto& s, int n) {
+    // The scores' transforms in fa2.reference.attention_ref's order: softcap (a tanh per score), ALiBi (the negated
+    // slope in score units times |row + diagonal - key|), then the masks, on the blocks that need them: keys past
+    // seqlen_k (TMA brought zeros there), and keys outside a row's band (right of it for causal).
+    const int left = p.window_left, right = p.window_right;
+    const float alibi =
+        p.alibi_slopes == nullptr ? 0.f : -p.alibi_slopes[w.batch * p.alibi_batch_stride + w.head] / p.scale;
+    auto finish_scores = [&](auto& s, int n) {
+      if (p.softcap_in > 0.f) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(s); ++i) s(i) = tanh_fast(s(i) * p.softcap_in);
+      }
       const int key0 = n * kBlockN;
-      if (key0 + kBlockN > p.seqlen_k || (scheduler.causal && key0 + kBlockN - 1 > first_row + diagonal)) {
+      if (alibi != 0.f) {
+        // A thread's columns are its first one plus constants of the MMA layout: one conversion per row, and per
+        // score an FADD of an immediate, the |.| and an FFMA.
+        const int col0 = get<1>(cS_rc(0, 0));
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(s); ++r) {
+          const float distance = float(first_row + get<0>(cS_rc(r, 0)) + diagonal - key0 - col0);
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s); ++c) {
+            s(r, c) = fmaf(alibi, fabsf(distance - float(get<1>(cS_rc(r, c)) - col0)), s(r, c));
+          }
+        }
+      }
+      if (key0 + kBlockN > p.seqlen_k || (right >= 0 && key0 + kBlockN - 1 > first_row + diagonal + right) ||
+          (left >= 0 && key0 < last_row + diagonal - left)) {
         CUTE_UNROLL
         for (int r = 0; r < size<0>(s); ++r) {
           const int row = first_row + get<0>(cS_rc(r, 0));
-          const int key_end = scheduler.causal ? min(p.seqlen_k, row + diagonal + 1) : p.seqlen_k;
+          const int key_end = right >= 0 ? min(p.seqlen_k, row + diagonal + right + 1) : p.seqlen_k;
+          const int key_begin = left >= 0 ? row + diagonal - left : INT_MIN;
           CUTE_UNROLL
           for (int c = 0; c < size<1>(s); ++c) {
-            if (key0 + get<1>(cS_rc(r, c)) >= key_end) s(r, c) = -INFINITY;
+            const int key = key0 + get<1>(cS_rc(r, c));
+            if (key >= key_end || key < key_begin) s(r, c) = -INFINITY;
           }
         }
       }
     };
 
-    if (n_end > 0) {
+    if (n_end > n_begin) {
       shared.q_full.wait(q_loads & 1);
       ++q_loads;
       // The last key block: S alone.
@@ -218,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
       pingpong.pass();
       warpgroup_wait<0>();
       k_pipe.consumer_release(stage);
-      mask(s, n_end - 1);
+      finish_scores(s, n_end - 1);
       softmax.template update</*kFirst=*/true>(s, p.scale_log2);
       // P from registers: the S accumulator converted, relabelled as the A operand of P V.
       Tensor tSrP = make_tensor<Element>(tSrS.layout());
@@ -226,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
       convert(tSrS, tSrP);
 
       // Each further block: issue S_n = Q K_n^T and O += P_{n+1} V_{n+1}; the softmax of S_n runs under the P V.
-      for (int n = n_end - 2; n >= 0; --n) {
+      for (int n = n_end - 2; n >= n_begin; --n) {
         auto v_stage = stage;
         ++stage;
         k_pipe.consumer_wait(stage);
@@ -238,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
         pingpong.pass();
         warpgroup_wait<1>();  // S_n is done; P V may still run
         k_pipe.consumer_release(stage);
-        mask(s, n);
+        finish_scores(s, n);
         softmax.template update<false>(s, p.scale_log2);
         warpgroup_wait<0>();
         v_pipe.consumer_release(v_stage);
@@ -256,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
 
     // ---------------------------------------------------------------------------------------- epilogue
     float lse[kRows];
-    softmax.finalize(acc_o, p.scale, lse);
+    softmax.finalize(acc_o, p.scale, p.sink == nullptr ? nullptr : p.sink + w.head, lse);
     Element* o = p.o + w.batch * p.o_batch_stride + w.head * p.o_head_stride;
     float* lse_row = p.lse + (int64_t(w.batch) * p.nheads + w.head) * p.seqlen_q;
     CUTE_UNROLL

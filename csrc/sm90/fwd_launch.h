@@ -50,10 +50,14 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   k.lse = p.lse;
   k.seqlen_q = p.seqlen_q, k.seqlen_k = p.seqlen_k, k.nheads = p.nheads, k.head_group_kv = p.nheads / p.nheads_k;
   k.scale = p.score_scale, k.scale_log2 = p.scale_log2;
-  // Causal sections: the (head, batch) pairs whose K and V fill about 32 MB of the L2 (50 MB on an H100) together.
+  k.sink = p.sink, k.softcap_in = p.softcap_in;
+  k.window_left = p.window_left, k.window_right = p.window_right;
+  k.alibi_slopes = p.alibi_slopes, k.alibi_batch_stride = p.alibi_batch_stride;
+  // Heaviest-first sections: the (head, batch) pairs whose K and V fill about 32 MB of the L2 (50 MB on an H100).
   const int64_t kv_bytes = int64_t(p.seqlen_k) * kHeadDim * 2 * sizeof(Element);
   const int section = int(std::max<int64_t>(1, std::min<int64_t>((32 << 20) / kv_bytes, int64_t(p.nheads) * p.batch)));
-  k.scheduler = {ceil_div_host(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch, section, p.causal()};
+  k.scheduler = {ceil_div_host(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch, section,
+                 p.window_right >= 0 && p.window_left < 0};
   k.tile_counter = p.tile_counter;
 
   constexpr int smem = Traits::kSmemSize;

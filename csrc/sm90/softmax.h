@@ -67,15 +67,24 @@ struct OnlineSoftmax {
   }
 
   // Normalises acc_o and returns each row's lse = m * scale + log(l) (natural log; scale: what the scores are scaled
-  // by); rows without a visible key: O = 0, lse = -inf.
+  // by). A sink logit (nullptr: none) joins l as exp(sink) with no value, the row's max raised to it first so that
+  // nothing overflows. Rows with l == 0 (no visible key and no sink): O = 0, lse = -inf.
   template <class TensorO>
-  __device__ __forceinline__ void finalize(TensorO& acc_o, float scale, float (&lse)[kRows]) {
+  __device__ __forceinline__ void finalize(TensorO& acc_o, float scale, const float* sink, float (&lse)[kRows]) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const float sum = quad_sum(l[r]);
+      float sum = quad_sum(l[r]);
+      float row_max = m[r] == -INFINITY ? -INFINITY : m[r] * scale;  // natural-log units
+      float o_factor = 1.f;  // what acc_o's rows are multiplied by before 1 / sum
+      if (sink != nullptr) {
+        const float raised = fmaxf(row_max, *sink);
+        o_factor = row_max == -INFINITY ? 0.f : __expf(row_max - raised);
+        sum = sum * o_factor + __expf(*sink - raised);
+        row_max = raised;
+      }
       const bool empty = sum == 0.f || sum != sum;
-      const float inv = empty ? 0.f : 1.f / sum;
-      lse[r] = empty ? -INFINITY : m[r] * scale + __logf(sum);
+      const float inv = empty ? 0.f : o_factor / sum;
+      lse[r] = empty ? -INFINITY : row_max + __logf(sum);
       CUTE_UNROLL
       for (int c = 0; c < size<1>(acc_o); ++c) acc_o(r, c) *= inv;
     }

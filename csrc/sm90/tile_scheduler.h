@@ -2,10 +2,11 @@
 // with tile c; each later tile is the next one nobody has taken (an atomic counter), so a CTA that drew light tiles
 // takes more of them: greedy longest-first, whose tail stays short.      docs/tuning.md#sm90-forward
 //
-// The order: plain attention goes query blocks fastest, so the CTAs running at one time read the same head's K and V
-// (L2 hits). Causal goes heaviest first (the last query blocks see the most keys), within sections of `section`
-// (head, batch) pairs whose K and V fit in L2 together: heaviest-first over the whole grid would have every CTA read
-// another head's K and V, from memory.
+// The order: query blocks fastest, so the CTAs running at one time read the same head's K and V (L2 hits), where
+// every query block has about the same work (plain attention, sliding windows). Where the band has a right edge and
+// no left one (causal), the last query blocks see the most keys: heaviest first, within sections of `section`
+// (head, batch) pairs whose K and V fit in L2 together (heaviest-first over the whole grid would have every CTA read
+// another head's K and V, from memory).
 #pragma once
 
 #include <cute/config.hpp>
@@ -18,14 +19,14 @@ struct WorkTile {
 
 struct TileScheduler {
   int num_m, nheads, batch;
-  int section;  // causal: (head, batch) pairs per section, >= 1
-  bool causal;
+  int section;       // heavy_first: (head, batch) pairs per section, >= 1
+  bool heavy_first;  // the band has a right edge and no left one
 
   CUTE_HOST_DEVICE int num_tiles() const { return num_m * nheads * batch; }
 
   CUTE_HOST_DEVICE WorkTile tile(int t) const {
     int hb, m_block;
-    if (causal) {
+    if (heavy_first) {
       const int per_section = section * num_m, first = t / per_section * section;
       const int width = cute::min(section, nheads * batch - first), within = t % per_section;
       hb = first + within % width;

@@ -99,7 +99,12 @@ struct FwdKernelParams {
   float* lse;  // (batch, nheads, seqlen_q)
   int seqlen_q, seqlen_k, nheads, head_group_kv;  // head_group_kv: query heads per K/V head
   float scale, scale_log2;  // the scores' scale (softmax_scale) and it times log2(e)
-  TileScheduler scheduler;  // the tiles and their order; its causal flag is the call's
+  const float* sink;        // (nheads,) logits joining each row's denominator (common/params.h); nullptr: none
+  float softcap_in;         // > 0: the scores are tanh(q k^T * softcap_in) (common/params.h), scale being softcap
+  int window_left, window_right;  // the band (common/band.h); -1: unbounded; causal is window_right = 0
+  const float* alibi_slopes;      // ALiBi's (batch, nheads) or (nheads,) slopes (alibi_batch_stride 0); nullptr: none
+  int alibi_batch_stride;
+  TileScheduler scheduler;  // the tiles and their order
   int* tile_counter;        // tiles handed out past the first gridDim.x, zeroed before the launch
 };
 
