@@ -82,9 +82,10 @@ bool sm90_built(int head_dim, DType dtype) {
   return false;
 }
 
-// TMA reads q, k and v through descriptors whose strides must be multiples of 16 bytes, even along a dimension of
-// size 1 (where the checks in host/checks.cpp let any stride through).
+// TMA reads q, k and v (and writes o) through descriptors whose base must be 16-byte aligned and whose strides must
+// be multiples of 16 bytes, even along a dimension of size 1 (where the checks in host/checks.cpp let any through).
 bool tma_strides(const Strides& s) { return s.batch % 8 == 0 && s.row % 8 == 0 && s.head % 8 == 0; }
+bool tma_aligned(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // The family a call asks for: the test override, else FA2_FAMILY, else none (0: either; 1: sm80; 2: sm90).
 int requested_family() {
@@ -105,6 +106,8 @@ Family forward_family(const FwdParams& p, DType dtype, int head_dim, const Devic
                                        p.softcap_in > 0.f, p.alibi_slopes != nullptr, p.sink != nullptr,
                                        p.rng_state != nullptr) &&
                       tma_strides(p.q_stride) && tma_strides(p.k_stride) && tma_strides(p.v_stride) &&
+                      tma_strides(p.o_stride) && tma_aligned(p.q) && tma_aligned(p.k) && tma_aligned(p.v) &&
+                      tma_aligned(p.o) &&
                       sm90::fwd_smem_bytes(sm90::fwd_tile(head_dim), head_dim) <= device.smem_limit;
   return serves ? Family::kSm90 : Family::kSm80;
 }

@@ -21,10 +21,13 @@ constexpr FwdTileShape fwd_tile(int head_dim) {
   return {64 * kConsumerWarpgroups, head_dim == 256 ? 80 : 128, kThreads / 32, 2};
 }
 
-// Shared memory of a tile: Q, and K and V per stage (2-byte elements), plus the barriers; fwd_launch.h asserts the
-// traits' SharedStorage fits it.
+// Whether O leaves through shared memory and a TMA store (traits.h): where its tile fits beside Q, K and V.
+constexpr bool fwd_stores_by_tma(int head_dim) { return head_dim <= 128; }
+
+// Shared memory of a tile: Q (and O where it is stored by TMA), and K and V per stage (2-byte elements), plus the
+// barriers; fwd_launch.h asserts the traits' SharedStorage fits it.
 constexpr int fwd_smem_bytes(FwdTileShape t, int head_dim) {
-  return (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2 + 1024;
+  return (t.block_m * (fwd_stores_by_tma(head_dim) ? 2 : 1) + 2 * t.stages * t.block_n) * head_dim * 2 + 2048;
 }
 
 // What the forward of this family computes: padded batches of q, k and v (no KV cache, no packed sequences), any

@@ -33,6 +33,8 @@ __device__ __forceinline__ int2 key_blocks(int m_block, int seqlen_q, int seqlen
   return make_int2(begin, end);
 }
 
+constexpr int kEpilogueBarrier = 3;  // the consumer warpgroups' named barrier around the shared O tile
+
 // Ping-pong between the consumer warpgroups: each issues its GEMMs only in its turn (named barrier 1 or 2, beyond
 // CUTLASS's reserved ones) and hands the turn over once they are issued, so the tensor cores run one warpgroup's
 // GEMMs while the other one's softmax runs on the FP32 units.
@@ -79,6 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    if constexpr (Traits::kStoreByTma) cute::prefetch_tma_descriptor(p.tma_o.get_tma_descriptor());
     shared.q_full.init(1);
     shared.q_empty.init(Traits::kConsumerThreads);
     for (int i = 0; i < 2; ++i) shared.tile_full[i].init(1), shared.tile_empty[i].init(Traits::kConsumerThreads);
@@ -288,21 +291,53 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
     // ---------------------------------------------------------------------------------------- epilogue
     float lse[kRows];
     softmax.finalize(acc_o, p.scale, p.sink == nullptr ? nullptr : p.sink + w.head, lse);
-    Element* o = p.o + w.batch * p.o_batch_stride + w.head * p.o_head_stride;
     float* lse_row = p.lse + (int64_t(w.batch) * p.nheads + w.head) * p.seqlen_q;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int row = first_row + get<0>(cO_rc(r, 0));
-      if (row >= p.seqlen_q) continue;
-      if (get<1>(cO_rc(r, 0)) == 0) lse_row[row] = lse[r];  // one lane of the row's quad
+      if (row < p.seqlen_q && get<1>(cO_rc(r, 0)) == 0) lse_row[row] = lse[r];  // one lane of the row's quad
+    }
+    if constexpr (Traits::kStoreByTma) {
+      // O to shared memory (stmatrix), then one TMA store of the tile, which clips the rows past seqlen_q. The
+      // buffer is rewritten only once the previous tile's store has read it (kEpilogue: both consumer warpgroups).
+      Tensor sO = make_tensor(make_smem_ptr(shared.o.data()), typename Traits::SmemLayoutO{});
+      Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
+      convert(tOrO, tOrO_out);
+      auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_o);
+      auto thr_copy = smem_copy.get_thread_slice(thread);
+      const bool issuer = thread == 0;
+      if (issuer) tma_store_wait<0>();
+      cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kEpilogueBarrier);
+      copy(smem_copy, thr_copy.retile_S(tOrO_out), thr_copy.partition_D(sO));
+      cutlass::arch::fence_view_async_shared();  // the generic-proxy writes, before the copy engine reads them
+      cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kEpilogueBarrier);
+      if (issuer) {
+        Tensor mO = p.tma_o.get_tma_tensor(p.shape_q)(_, _, w.head, w.batch);
+        Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(w.m_block, _0{}));
+        auto [tOgO, tOsO] = tma_partition(p.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sO),
+                                          group_modes<0, 2>(gO));
+        copy(p.tma_o, tOsO, tOgO);
+        tma_store_arrive();
+      }
+    } else {
+      Element* o = p.o + w.batch * p.o_batch_stride + w.head * p.o_head_stride;
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(acc_o); c += 2) {  // columns c and c + 1 are adjacent: one 4-byte store
-        cutlass::Array<float, 2> pair;
-        pair[0] = acc_o(r, c), pair[1] = acc_o(r, c + 1);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(o + row * p.o_row_stride + get<1>(cO_rc(r, c))) =
-            cutlass::NumericArrayConverter<Element, float, 2>{}(pair);
+      for (int r = 0; r < kRows; ++r) {
+        const int row = first_row + get<0>(cO_rc(r, 0));
+        if (row >= p.seqlen_q) continue;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(acc_o); c += 2) {  // columns c and c + 1 are adjacent: one 4-byte store
+          cutlass::Array<float, 2> pair;
+          pair[0] = acc_o(r, c), pair[1] = acc_o(r, c + 1);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(o + row * p.o_row_stride + get<1>(cO_rc(r, c))) =
+              cutlass::NumericArrayConverter<Element, float, 2>{}(pair);
+        }
       }
     }
+  }
+  // No exit while a TMA store still reads this CTA's shared memory.
+  if constexpr (Traits::kStoreByTma) {
+    if (thread == 0) tma_store_wait<0>();
   }
 #endif
 }

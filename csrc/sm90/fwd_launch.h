@@ -44,6 +44,12 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
                           Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{});
   k.tma_v = make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename Traits::SmemLayoutVt{}),
                           Shape<Int<kHeadDim>, Int<Traits::kBlockN>>{}, _1{});
+  if constexpr (Traits::kStoreByTma) {
+    Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.o)), shape_q,
+                            make_stride(p.o_stride.row, _1{}, p.o_stride.head, p.o_stride.batch));
+    k.tma_o = make_tma_copy(SM90_TMA_STORE{}, mO, typename Traits::SmemLayoutO{},
+                            Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
+  }
   k.shape_q = shape_q, k.shape_k = shape_k;
   k.o = static_cast<Element*>(p.o);
   k.o_row_stride = p.o_stride.row, k.o_head_stride = p.o_stride.head, k.o_batch_stride = p.o_stride.batch;

@@ -60,6 +60,13 @@ struct FwdTraits {
   using TmaQ = TmaLoad<StrideQK, SmemLayoutQ, Shape<Int<kBlockM>, Int<kHeadDim>>>;
   using TmaK = TmaLoad<StrideQK, decltype(take<0, 2>(SmemLayoutK{})), Shape<Int<kBlockN>, Int<kHeadDim>>>;
   using TmaV = TmaLoad<StrideVt, decltype(take<0, 2>(SmemLayoutVt{})), Shape<Int<kHeadDim>, Int<kBlockN>>>;
+  // O leaves through shared memory and one TMA store per tile where the bytes fit beside Q, K and V (d64, d128; d256's
+  // two 80-key stages fill the 227 KB): the consumers go on to the next tile while the copy engine writes.
+  static constexpr bool kStoreByTma = fwd_stores_by_tma(kHeadDim);
+  using SmemLayoutO = SmemLayoutQ;
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{},
+                                     make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), ShapeQKV{}, StrideQK{}),
+                                     SmemLayoutO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
   // A TMA load always completes its whole box (rows past the tensor arrive as zeros), so these are the bytes to expect.
   static constexpr uint32_t kBytesQ = size(SmemLayoutQ{}) * sizeof(Element);
   static constexpr uint32_t kBytesK = size(take<0, 2>(SmemLayoutK{})) * sizeof(Element);
@@ -74,6 +81,7 @@ struct FwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutVt>, 1024> v;
+    cute::array_aligned<Element, kStoreByTma ? cute::cosize_v<SmemLayoutO> : 8, 1024> o;
     alignas(16) cutlass::arch::ClusterTransactionBarrier q_full;  // Q landed (the producer's TMA)
     alignas(16) cutlass::arch::ClusterBarrier q_empty;           // Q read by every Q K^T of the tile (the consumers)
     // The tiles the producer drew (tile_scheduler.h), two slots so that it may draw one ahead.
@@ -93,6 +101,7 @@ struct FwdKernelParams {
   typename Traits::TmaQ tma_q;
   typename Traits::TmaK tma_k;
   typename Traits::TmaV tma_v;
+  typename Traits::TmaO tma_o;  // kStoreByTma
   typename Traits::ShapeQKV shape_q, shape_k;  // (seqlen, head dim, heads, batch); shape_k's heads are nheads_k
   typename Traits::Element* o;
   int64_t o_row_stride, o_head_stride, o_batch_stride;
