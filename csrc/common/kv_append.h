@@ -20,6 +20,14 @@ namespace fa2 {
 
 constexpr int kAppendThreads = 128;
 
+// The parts of a row (gridDim.z): enough blocks that each thread moves one 16-byte chunk of the row's larger side.
+inline int kv_append_parts(const KvAppendParams& p) {
+  const int chunks_per_head = p.row_bytes / 16;
+  const int chunks = p.rotary_dim > 0 && p.seqlen_q > 0 ? p.nheads * chunks_per_head : 0;
+  const int work = chunks > 2 * p.nheads_k * chunks_per_head ? chunks : 2 * p.nheads_k * chunks_per_head;
+  return (work + kAppendThreads - 1) / kAppendThreads;
+}
+
 __device__ __forceinline__ float half_bits_to_float(uint16_t x, bool bf16) {
   return bf16 ? __bfloat162float(__ushort_as_bfloat16(x)) : __half2float(__ushort_as_half(x));
 }
@@ -60,16 +68,18 @@ __device__ __forceinline__ uint4 rotated_chunk(KvAppendParams const& p, const ui
   return out;
 }
 
-// One block per (row, sequence): q's row s (rotated into q_rotated) where q is rotated, then k_new's and v_new's row s
-// where s is a new row; the threads cover the row's heads, 16 bytes each.
+// Blocks (row, sequence, part): q's row s (rotated into q_rotated) where q is rotated, then k_new's and v_new's row s
+// where s is a new row; the gridDim.z parts' threads share the row's heads, 16 bytes each, so that a decode step of
+// one sequence (one row) still spreads its chunks over the GPU rather than looping in one block.
 __global__ void __launch_bounds__(kAppendThreads) kv_append_kernel(const __grid_constant__ KvAppendParams p) {
   const int s = blockIdx.x, batch = blockIdx.y;
+  const int start = blockIdx.z * kAppendThreads + threadIdx.x, stride = gridDim.z * kAppendThreads;
   const int64_t held = p.cache.seqlens != nullptr ? p.cache.seqlens[batch] : p.cache.seqlen;
   const int chunks_per_head = p.row_bytes / 16;
   const int64_t last_position = int64_t(p.seqlen_ro) - 1;
   if (p.rotary_dim > 0 && s < p.seqlen_q) {
     const int64_t position = min(max(held + (p.q_per_row ? s : 0), int64_t(0)), last_position);
-    for (int i = threadIdx.x; i < p.nheads * chunks_per_head; i += kAppendThreads) {
+    for (int i = start; i < p.nheads * chunks_per_head; i += stride) {
       const int head = i / chunks_per_head, chunk = i % chunks_per_head;
       const auto* src = static_cast<const uint16_t*>(p.q) + batch * p.q_stride.batch + s * p.q_stride.row +
                         head * p.q_stride.head;
@@ -82,7 +92,7 @@ __global__ void __launch_bounds__(kAppendThreads) kv_append_kernel(const __grid_
   if (s >= p.cache.appended || row < 0 || row >= p.cache.capacity) return;
   const int64_t position = min(row, last_position);  // the key's position: its cache row
   const int chunks = p.nheads_k * chunks_per_head;
-  for (int i = threadIdx.x; i < 2 * chunks; i += kAppendThreads) {
+  for (int i = start; i < 2 * chunks; i += stride) {
     const bool is_v = i >= chunks;
     const int head = (i % chunks) / chunks_per_head, chunk = i % chunks_per_head;
     const Strides& src_st = is_v ? p.v_new_stride : p.k_new_stride;
