@@ -37,7 +37,9 @@ __device__ __forceinline__ uint16_t float_to_half_bits(float x, bool bf16) {
 
 // Chunk `chunk` (elements [8 * chunk, 8 * chunk + 8)) of one head's row `src`, rotated at `position` (already
 // clamped to cos/sin's rows). A non-interleaved pair's partner may sit in another chunk: it is read from `src` (the
-// same row, which the neighbouring threads are reading, so from L1).
+// same row, which the neighbouring threads are reading, so from L1). Where the chunk lies inside rotary_dim and the
+// rows of cos and sin are 16-byte aligned (rotary_dim a multiple of 16, as flash-attn requires), the partner, cosines
+// and sines arrive as one vector load each; otherwise element by element.
 __device__ __forceinline__ uint4 rotated_chunk(KvAppendParams const& p, const uint16_t* src, int chunk,
                                                int64_t position) {
   const uint4 packed = *reinterpret_cast<const uint4*>(src + 8 * chunk);
@@ -45,23 +47,41 @@ __device__ __forceinline__ uint4 rotated_chunk(KvAppendParams const& p, const ui
   if (j0 >= p.rotary_dim) return packed;
   const auto* cos = static_cast<const uint16_t*>(p.rotary_cos) + position * half;
   const auto* sin = static_cast<const uint16_t*>(p.rotary_sin) + position * half;
-  uint16_t x[8], y[8];
+  uint16_t x[8], y[8], partner[8], c[8], sn[8];
   memcpy(x, &packed, 16);
+  const bool aligned = p.rotary_dim % 16 == 0 && (reinterpret_cast<uintptr_t>(cos) & 15) == 0 &&
+                       (reinterpret_cast<uintptr_t>(sin) & 15) == 0;
+  if (aligned && !p.interleaved) {  // the chunk is all in one half; its partner is the chunk half / 8 away
+    const bool first = j0 < half;
+    const int i0 = first ? j0 : j0 - half;
+    const uint4 other = *reinterpret_cast<const uint4*>(src + (first ? j0 + half : j0 - half));
+    const uint4 cv = *reinterpret_cast<const uint4*>(cos + i0), sv = *reinterpret_cast<const uint4*>(sin + i0);
+    memcpy(partner, &other, 16), memcpy(c, &cv, 16), memcpy(sn, &sv, 16);
+  } else if (aligned) {  // interleaved: pairs inside the chunk, four angles
+    const uint2 cv = *reinterpret_cast<const uint2*>(cos + j0 / 2), sv = *reinterpret_cast<const uint2*>(sin + j0 / 2);
+    uint16_t c4[4], s4[4];
+    memcpy(c4, &cv, 8), memcpy(s4, &sv, 8);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) partner[e] = x[e ^ 1], c[e] = c4[e / 2], sn[e] = s4[e / 2];
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int j = min(j0 + e, p.rotary_dim - 1);  // elements past rotary_dim are copied below
+      const bool first = p.interleaved ? (e % 2 == 0) : j < half;
+      const int i = p.interleaved ? j / 2 : (first ? j : j - half);
+      partner[e] = p.interleaved ? x[e ^ 1] : src[first ? j + half : j - half];
+      c[e] = cos[i], sn[e] = sin[i];
+    }
+  }
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
     const int j = j0 + e;
-    if (j >= p.rotary_dim) {
-      y[e] = x[e];
-      continue;
-    }
-    // Element j pairs with `partner`: y_j = x_j cos - partner sin for the pair's first, x_j cos + partner sin for its
+    // Element j pairs with partner: y_j = x_j cos - partner sin for the pair's first, x_j cos + partner sin for its
     // second (reference.apply_rotary).
     const bool first = p.interleaved ? (e % 2 == 0) : j < half;
-    const int i = p.interleaved ? j / 2 : (first ? j : j - half);
-    const uint16_t partner = p.interleaved ? x[e ^ 1] : src[first ? j + half : j - half];
-    const float xj = half_bits_to_float(x[e], p.bf16), xp = half_bits_to_float(partner, p.bf16);
-    const float c = half_bits_to_float(cos[i], p.bf16), sn = half_bits_to_float(sin[i], p.bf16);
-    y[e] = float_to_half_bits(first ? xj * c - xp * sn : xj * c + xp * sn, p.bf16);
+    const float xj = half_bits_to_float(x[e], p.bf16), xp = half_bits_to_float(partner[e], p.bf16);
+    const float cj = half_bits_to_float(c[e], p.bf16), sj = half_bits_to_float(sn[e], p.bf16);
+    y[e] = j >= p.rotary_dim ? x[e] : float_to_half_bits(first ? xj * cj - xp * sj : xj * cj + xp * sj, p.bf16);
   }
   uint4 out;
   memcpy(&out, y, 16);
