@@ -20,6 +20,14 @@ namespace fa2 {
 
 constexpr int kAppendThreads = 128;
 
+// The parts of a row (gridDim.z): enough blocks that each thread moves one 16-byte chunk of the row's larger side.
+inline int kv_append_parts(const KvAppendParams& p) {
+  const int chunks_per_head = p.row_bytes / 16;
+  const int chunks = p.rotary_dim > 0 && p.seqlen_q > 0 ? p.nheads * chunks_per_head : 0;
+  const int work = chunks > 2 * p.nheads_k * chunks_per_head ? chunks : 2 * p.nheads_k * chunks_per_head;
+  return (work + kAppendThreads - 1) / kAppendThreads;
+}
+
 __device__ __forceinline__ float half_bits_to_float(uint16_t x, bool bf16) {
   return bf16 ? __bfloat162float(__ushort_as_bfloat16(x)) : __half2float(__ushort_as_half(x));
 }
@@ -29,7 +37,9 @@ __device__ __forceinline__ uint16_t float_to_half_bits(float x, bool bf16) {
 
 // Chunk `chunk` (elements [8 * chunk, 8 * chunk + 8)) of one head's row `src`, rotated at `position` (already
 // clamped to cos/sin's rows). A non-interleaved pair's partner may sit in another chunk: it is read from `src` (the
-// same row, which the neighbouring threads are reading, so from L1).
+// same row, which the neighbouring threads are reading, so from L1). Where the chunk lies inside rotary_dim and the
+// rows of cos and sin are 16-byte aligned (rotary_dim a multiple of 16, as flash-attn requires), the partner, cosines
+// and sines arrive as one vector load each; otherwise element by element.
 __device__ __forceinline__ uint4 rotated_chunk(KvAppendParams const& p, const uint16_t* src, int chunk,
                                                int64_t position) {
   const uint4 packed = *reinterpret_cast<const uint4*>(src + 8 * chunk);
@@ -37,39 +47,59 @@ __device__ __forceinline__ uint4 rotated_chunk(KvAppendParams const& p, const ui
   if (j0 >= p.rotary_dim) return packed;
   const auto* cos = static_cast<const uint16_t*>(p.rotary_cos) + position * half;
   const auto* sin = static_cast<const uint16_t*>(p.rotary_sin) + position * half;
-  uint16_t x[8], y[8];
+  uint16_t x[8], y[8], partner[8], c[8], sn[8];
   memcpy(x, &packed, 16);
+  const bool aligned = p.rotary_dim % 16 == 0 && (reinterpret_cast<uintptr_t>(cos) & 15) == 0 &&
+                       (reinterpret_cast<uintptr_t>(sin) & 15) == 0;
+  if (aligned && !p.interleaved) {  // the chunk is all in one half; its partner is the chunk half / 8 away
+    const bool first = j0 < half;
+    const int i0 = first ? j0 : j0 - half;
+    const uint4 other = *reinterpret_cast<const uint4*>(src + (first ? j0 + half : j0 - half));
+    const uint4 cv = *reinterpret_cast<const uint4*>(cos + i0), sv = *reinterpret_cast<const uint4*>(sin + i0);
+    memcpy(partner, &other, 16), memcpy(c, &cv, 16), memcpy(sn, &sv, 16);
+  } else if (aligned) {  // interleaved: pairs inside the chunk, four angles
+    const uint2 cv = *reinterpret_cast<const uint2*>(cos + j0 / 2), sv = *reinterpret_cast<const uint2*>(sin + j0 / 2);
+    uint16_t c4[4], s4[4];
+    memcpy(c4, &cv, 8), memcpy(s4, &sv, 8);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) partner[e] = x[e ^ 1], c[e] = c4[e / 2], sn[e] = s4[e / 2];
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int j = min(j0 + e, p.rotary_dim - 1);  // elements past rotary_dim are copied below
+      const bool first = p.interleaved ? (e % 2 == 0) : j < half;
+      const int i = p.interleaved ? j / 2 : (first ? j : j - half);
+      partner[e] = p.interleaved ? x[e ^ 1] : src[first ? j + half : j - half];
+      c[e] = cos[i], sn[e] = sin[i];
+    }
+  }
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
     const int j = j0 + e;
-    if (j >= p.rotary_dim) {
-      y[e] = x[e];
-      continue;
-    }
-    // Element j pairs with `partner`: y_j = x_j cos - partner sin for the pair's first, x_j cos + partner sin for its
+    // Element j pairs with partner: y_j = x_j cos - partner sin for the pair's first, x_j cos + partner sin for its
     // second (reference.apply_rotary).
     const bool first = p.interleaved ? (e % 2 == 0) : j < half;
-    const int i = p.interleaved ? j / 2 : (first ? j : j - half);
-    const uint16_t partner = p.interleaved ? x[e ^ 1] : src[first ? j + half : j - half];
-    const float xj = half_bits_to_float(x[e], p.bf16), xp = half_bits_to_float(partner, p.bf16);
-    const float c = half_bits_to_float(cos[i], p.bf16), sn = half_bits_to_float(sin[i], p.bf16);
-    y[e] = float_to_half_bits(first ? xj * c - xp * sn : xj * c + xp * sn, p.bf16);
+    const float xj = half_bits_to_float(x[e], p.bf16), xp = half_bits_to_float(partner[e], p.bf16);
+    const float cj = half_bits_to_float(c[e], p.bf16), sj = half_bits_to_float(sn[e], p.bf16);
+    y[e] = j >= p.rotary_dim ? x[e] : float_to_half_bits(first ? xj * cj - xp * sj : xj * cj + xp * sj, p.bf16);
   }
   uint4 out;
   memcpy(&out, y, 16);
   return out;
 }
 
-// One block per (row, sequence): q's row s (rotated into q_rotated) where q is rotated, then k_new's and v_new's row s
-// where s is a new row; the threads cover the row's heads, 16 bytes each.
+// Blocks (row, sequence, part): q's row s (rotated into q_rotated) where q is rotated, then k_new's and v_new's row s
+// where s is a new row; the gridDim.z parts' threads share the row's heads, 16 bytes each, so that a decode step of
+// one sequence (one row) still spreads its chunks over the GPU rather than looping in one block.
 __global__ void __launch_bounds__(kAppendThreads) kv_append_kernel(const __grid_constant__ KvAppendParams p) {
   const int s = blockIdx.x, batch = blockIdx.y;
+  const int start = blockIdx.z * kAppendThreads + threadIdx.x, stride = gridDim.z * kAppendThreads;
   const int64_t held = p.cache.seqlens != nullptr ? p.cache.seqlens[batch] : p.cache.seqlen;
   const int chunks_per_head = p.row_bytes / 16;
   const int64_t last_position = int64_t(p.seqlen_ro) - 1;
   if (p.rotary_dim > 0 && s < p.seqlen_q) {
     const int64_t position = min(max(held + (p.q_per_row ? s : 0), int64_t(0)), last_position);
-    for (int i = threadIdx.x; i < p.nheads * chunks_per_head; i += kAppendThreads) {
+    for (int i = start; i < p.nheads * chunks_per_head; i += stride) {
       const int head = i / chunks_per_head, chunk = i % chunks_per_head;
       const auto* src = static_cast<const uint16_t*>(p.q) + batch * p.q_stride.batch + s * p.q_stride.row +
                         head * p.q_stride.head;
@@ -82,7 +112,7 @@ __global__ void __launch_bounds__(kAppendThreads) kv_append_kernel(const __grid_
   if (s >= p.cache.appended || row < 0 || row >= p.cache.capacity) return;
   const int64_t position = min(row, last_position);  // the key's position: its cache row
   const int chunks = p.nheads_k * chunks_per_head;
-  for (int i = threadIdx.x; i < 2 * chunks; i += kAppendThreads) {
+  for (int i = start; i < 2 * chunks; i += stride) {
     const bool is_v = i >= chunks;
     const int head = (i % chunks) / chunks_per_head, chunk = i % chunks_per_head;
     const Strides& src_st = is_v ? p.v_new_stride : p.k_new_stride;

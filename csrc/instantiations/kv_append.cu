@@ -6,7 +6,7 @@ namespace fa2 {
 
 void run_kv_append(const KvAppendParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.seqlen_new == 0) return;
-  kv_append_kernel<<<dim3(p.seqlen_new, p.batch), kAppendThreads, 0, stream>>>(p);
+  kv_append_kernel<<<dim3(p.seqlen_new, p.batch, kv_append_parts(p)), kAppendThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "kv append launch");
 }
 
