@@ -9,6 +9,8 @@ import torch
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and the compiled fa2._C (skipped otherwise)")
+    config.addinivalue_line("markers", "gpus(n): a gpu test that needs n GPUs of one host (skipped with fewer; under "
+                                       "FA2_REQUIRE_GPU=1 deselected there, as no run on that machine can meet it)")
 
 
 # FA2_REQUIRE_GPU=1 (the GPU landing run, bench/verify.sh): a GPU test that would skip fails instead, and so does
@@ -34,6 +36,16 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
+        return
+    count = torch.cuda.device_count()
+    needs = {item: item.get_closest_marker("gpus").args[0] for item in items if item.get_closest_marker("gpus")}
+    short = [item for item, needed in needs.items() if needed > count]
+    if short and REQUIRE_GPU:
+        config.hook.pytest_deselected(items=short)
+        items[:] = [item for item in items if item not in short]
+    elif short:
+        for item in short:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needs[item]} GPUs, this machine has {count}"))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -24,17 +24,25 @@ Layouts are fa2.fwd's: q (batch, seqlen_q, nheads, head_dim), k and v (batch, se
 GQA/MQA heads unrepeated, lse float32 (batch, nheads, seqlen_q), natural log. Softcap and softmax_scale act per
 score and pass through. Not here: ALiBi (its distance is counted from each call's own bottom-right diagonal) and
 dropout (its mask is drawn per call). docs/context-parallel.md says how PyTorch's ring machinery builds on this.
+
+`attention` runs that ring: fa2.attention of a sequence sharded over a process group, on PyTorch's templated ring
+attention (its rotaters move K/V and dK/dV, its merger combines the steps' results) with the pairs above as its op.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
+import inspect
+import itertools
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from fa2 import interface, ops, reference
 
-__all__ = ["Band", "band", "chunk_bwd", "chunk_fwd", "merge", "sink_grad"]
+__all__ = ["Band", "attention", "band", "chunk_bwd", "chunk_fwd", "merge", "sink_grad"]
 
 
 class Band(NamedTuple):
@@ -162,3 +170,207 @@ def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
     (nheads,). Summed over the query chunks (all-reduced over the ranks) it is the sink's whole gradient; no pair
     contributes to it, as no pair's forward saw the sink."""
     return ops.sink_grad(dout, out, lse, sink.to(lse.dtype))
+
+
+# ------------------------------------------------------------------------------------------- the ring
+def attention(q: Tensor, k: Tensor, v: Tensor, *, group, causal: bool = False, softmax_scale: Optional[float] = None,
+              window_size=(-1, -1), softcap: float = 0.0, sink: Optional[Tensor] = None,
+              load_balance: Optional[bool] = None, deterministic: bool = False) -> Tensor:
+    """fa2.attention (self-attention) of one sequence sharded over the ranks of `group` (a ProcessGroup or a 1-D
+    DeviceMesh), on PyTorch's ring: torch's _templated_ring_attention and its backward move K/V (and dK/dV) between
+    the ranks and merge the steps' results, and every (query chunk, key chunk) pair runs on fa2's kernels.
+
+    q (batch, seqlen, nheads, head_dim), k and v (batch, seqlen, nheads_k, head_dim) are this rank's shard, seqlen
+    the same on every rank; GQA/MQA K/V stay unrepeated and travel so. The shards are laid out as PyTorch's context
+    parallelism lays out its buffers (sequence dim 1 here):
+      load_balance=True: the sequence in 2n equal chunks, rank r holding chunks r and 2n-1-r one after the other
+        (`_HeadTailLoadBalancer`, what `context_parallel` does when the length divides by 2n). Causal only: PyTorch's
+        ring drops the pairs that causality hides before calling the op.
+      load_balance=False: rank r holds the r-th of n equal contiguous pieces (`Shard(1)`, no load balancer).
+      None: PyTorch's `_cp_options.enable_load_balance`, which its sharding entry points set to match their layout.
+
+    The options mean what they mean for fa2.attention on the unsharded sequence: causal, window_size (query p sees
+    key t iff p - left <= t <= p + right), softcap, softmax_scale, and sink (nheads,) logits. Pairs a window never
+    sees launch nothing (their K/V still travel). Returns this rank's out, like q; differentiable in q, k, v and
+    sink. The sink's gradient is this rank's queries' share, as the model weights' gradients are on a context-
+    parallel rank: the data-parallel wrapper that reduces those over the CP ranks (FSDP over dp x cp) sums it, and
+    without one, all-reduce it over `group` (dist.all_reduce(sink.grad, group=group)). Eager only; no ALiBi, dropout
+    or packed (varlen) sequences."""
+    group, load_balance = _check_ring(q, k, v, group, causal, window_size, softcap, sink, load_balance)
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=tuple(window_size), softcap=softcap)
+    ring = _Ring(group, q.shape[1], load_balance, options, deterministic)
+    return _RingAttention.apply(q, k, v, sink, ring)
+
+
+_ENGINE_NAMES = ("_templated_ring_attention", "_templated_ring_attention_backward", "_cp_options")
+
+
+def _engine():
+    """The module of PyTorch's ring: torch >= 2.9 keeps it in experimental._context_parallel._attention (the older
+    path experimental._attention re-exports the forward but not the backward), earlier releases in
+    experimental._attention itself."""
+    for name in ("torch.distributed.tensor.experimental._context_parallel._attention",
+                 "torch.distributed.tensor.experimental._attention"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if all(hasattr(module, attr) for attr in _ENGINE_NAMES):
+            if next(iter(inspect.signature(module._templated_ring_attention).parameters)) != "group":
+                break  # the releases before 2.9 took a DeviceMesh, with other arguments
+            return module
+    raise RuntimeError(f"fa2.context_parallel.attention needs PyTorch's templated ring attention "
+                       f"({', '.join(_ENGINE_NAMES)} in torch.distributed.tensor.experimental, taking a process group "
+                       f"first); torch {torch.__version__} has no such one: use torch >= 2.10")
+
+
+def _check_ring(q, k, v, group, causal, window_size, softcap, sink, load_balance):
+    """Validates the call; returns the process group and the layout (load_balance resolved)."""
+    reference.check_options(causal=causal, window_size=tuple(window_size), softcap=softcap, dropout_p=0.0)
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"q must be (batch, seqlen, nheads, head_dim) and k, v (batch, seqlen, nheads_k, head_dim) "
+                         f"alike, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[:2] != q.shape[:2] or q.shape[2] % k.shape[2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"the ring runs self-attention: k and v must hold the same tokens as q (batch and seqlen "
+                         f"{tuple(q.shape[:2])}) with nheads_k dividing nheads, got q {tuple(q.shape)}, k "
+                         f"{tuple(k.shape)}")
+    if sink is not None and sink.shape != (q.shape[2],):
+        raise ValueError(f"sink must be (nheads,) = ({q.shape[2]},), got {tuple(sink.shape)}")
+    if load_balance is None:
+        load_balance = _engine()._cp_options.enable_load_balance
+    if load_balance and not causal:
+        raise ValueError("load_balance=True (PyTorch's head-tail sharding) needs causal=True: without causal, shard "
+                         "the sequence in contiguous pieces and pass load_balance=False")
+    if load_balance and q.shape[1] % 2:
+        raise ValueError(f"load_balance=True: a rank's shard is two equal chunks, so its seqlen must be even, got "
+                         f"{q.shape[1]}")
+    if not isinstance(group, dist.ProcessGroup):
+        if not hasattr(group, "get_group") or getattr(group, "ndim", None) != 1:
+            raise TypeError(f"group must be a ProcessGroup or a 1-D DeviceMesh, got {group!r}")
+        group = group.get_group()
+    return group, bool(load_balance)
+
+
+class _Ring:
+    """One call's ring: where the chunks PyTorch's ring hands its op lie in the sequence, and the op it calls.
+
+    The engine calls the op once per ring step, in order, leaving out only trailing steps (causal without load
+    balancing); at step i the K/V came from rank (rank - i) % n. It passes heads-first tensors (batch, nheads,
+    seqlen, head_dim), the transpose of fa2's layout, as views: seq_dim 2 is hard-coded there."""
+
+    def __init__(self, group, seqlen, load_balance, options, deterministic):
+        self.engine = _engine()
+        self.group, self.rank, self.size = group, dist.get_rank(group), dist.get_world_size(group)
+        self.seqlen, self.load_balance = seqlen, load_balance
+        self.options, self.deterministic = options, deterministic
+        # Without a window the engine's own flag is exact for every call it makes (causal over a load-balanced
+        # shard's two chunks at step 0, full or skipped after): one launch per call, as its SDPA path runs. A window
+        # needs the positions, pair by pair.
+        self.windowless = options["window_size"] == (-1, -1)
+
+    def chunks(self, rank):
+        """(rows within the shard, first position in the sequence) of each chunk `rank` holds."""
+        if not self.load_balance:
+            return [(slice(0, self.seqlen), rank * self.seqlen)]
+        half = self.seqlen // 2
+        return [(slice(0, half), rank * half), (slice(half, self.seqlen), (2 * self.size - 1 - rank) * half)]
+
+    def pairs(self, step, q_len, k_len):
+        """The query chunks and key chunks in the tensors passed at `step`: the whole shards, or, after step 0 under
+        load balancing, the engine's halves: the first key chunk (from an earlier rank) or the second query chunk
+        (from a later one; the engine merges it into that half alone)."""
+        q_chunks, k_chunks = self.chunks(self.rank), self.chunks((self.rank - step) % self.size)
+        if q_len != self.seqlen:
+            q_chunks = [(slice(0, q_len), q_chunks[1][1])]
+        if k_len != self.seqlen:
+            k_chunks = k_chunks[:1]
+        return q_chunks, k_chunks
+
+    @contextlib.contextmanager
+    def engine_options(self):
+        """The engine reads the layout from its global options: set it to this call's for the call's duration."""
+        options = self.engine._cp_options
+        saved, options.enable_load_balance = options.enable_load_balance, self.load_balance
+        try:
+            yield
+        finally:
+            options.enable_load_balance = saved
+
+    def forward(self, q, k, v):
+        """(out, lse) of this rank's queries over the whole sequence, out float32 (float64 for float64 inputs)."""
+        steps = itertools.count()
+
+        def op(query, key, value, *, is_causal, **_):
+            step = next(steps)
+            query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+            if self.windowless:
+                out, lse = interface.fwd(query, key, value, causal=is_causal, softmax_scale=self.options[
+                    "softmax_scale"], softcap=self.options["softcap"])
+                return out.to(torch.promote_types(torch.float32, out.dtype)).transpose(1, 2), lse
+            q_chunks, k_chunks = self.pairs(step, query.shape[1], key.shape[1])
+            outs, lses = [], []
+            for q_rows, q_start in q_chunks:
+                parts = [chunk_fwd(query[:, q_rows], key[:, k_rows], value[:, k_rows], q_start=q_start,
+                                   k_start=k_start, **self.options) for k_rows, k_start in k_chunks]
+                out, lse = merge([o for o, _ in parts], [lse for _, lse in parts])
+                outs.append(out)
+                lses.append(lse)
+            # Unrounded out (float32 either way): the engine merges in float32 and returns the last step's dtype.
+            return torch.cat(outs, 1).transpose(1, 2), torch.cat(lses, 2)
+
+        with self.engine_options():
+            out, lse = self.engine._templated_ring_attention(
+                self.group, 2, op, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=self.options["causal"])[:2]
+        return out.transpose(1, 2), lse
+
+    def backward(self, dout, q, k, v, out, lse):
+        """(dq, dk, dv) of this rank's shard from its merged out and lse (the sink's term included) and dout."""
+        steps = itertools.count()
+
+        def op(*, query, key, value, out, logsumexp, dout, is_causal):
+            step = next(steps)
+            query, key, value, out, dout = (t.transpose(1, 2) for t in (query, key, value, out, dout))
+            if self.windowless:
+                grads = interface.bwd(dout, query, key, value, out, logsumexp.contiguous(), causal=is_causal,
+                                      softmax_scale=self.options["softmax_scale"], softcap=self.options["softcap"],
+                                      deterministic=self.deterministic)
+                return tuple(g.transpose(1, 2) for g in grads)
+            q_chunks, k_chunks = self.pairs(step, query.shape[1], key.shape[1])
+            acc = torch.promote_types(torch.float32, query.dtype)
+            dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (query, key, value))
+            for (q_rows, q_start), (k_rows, k_start) in itertools.product(q_chunks, k_chunks):
+                grads = chunk_bwd(dout[:, q_rows], query[:, q_rows], key[:, k_rows], value[:, k_rows],
+                                  out[:, q_rows], logsumexp[:, :, q_rows], q_start=q_start, k_start=k_start,
+                                  deterministic=self.deterministic, **self.options)
+                dq[:, q_rows] += grads[0]
+                dk[:, k_rows] += grads[1]
+                dv[:, k_rows] += grads[2]
+            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+        with self.engine_options():
+            grads = self.engine._templated_ring_attention_backward(
+                self.group, 2, op, dout.transpose(1, 2), "dout", q.transpose(1, 2), k.transpose(1, 2),
+                v.transpose(1, 2), out.transpose(1, 2), lse, is_causal=self.options["causal"])[:3]
+        return tuple(g.transpose(1, 2) for g in grads)
+
+
+class _RingAttention(torch.autograd.Function):
+    """The ring forward and backward; the sink joins once, after the ring's merge (module doc)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, ring):
+        out, lse = ring.forward(q, k, v)
+        if sink is not None:
+            out, lse = merge([out], [lse], sink=sink)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        dq, dk, dv = ctx.ring.backward(dout, q, k, v, out, lse)
+        dsink = None if sink is None else sink_grad(dout, out, lse, sink).to(sink.dtype)
+        return dq, dk, dv, dsink, None
