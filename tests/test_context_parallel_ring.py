@@ -109,7 +109,9 @@ def run_case(case, rank, device, kernels):
     draw = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float32).to(device, dtype)  # noqa: E731
     q, dout = draw(1, seqlen, case.nheads, head_dim), draw(1, seqlen, case.nheads, head_dim)
     k, v = draw(1, seqlen, case.nheads_k, head_dim), draw(1, seqlen, case.nheads_k, head_dim)
-    sink = draw(case.nheads) if case.sink else None
+    # float32 logits (small parameters stay float32 under mixed precision): each rank's share of the gradient is
+    # then not rounded to bf16 before the all-reduce, which would add one rounding per rank to the sum
+    sink = (draw(case.nheads) if cpu else draw(case.nheads).float()) if case.sink else None
 
     engine = cp._engine()
     engine._cp_options.rotate_method = {"allgather": engine._RotateMethod.ALL_GATHER,

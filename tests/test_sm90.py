@@ -53,7 +53,8 @@ def test_the_family_that_runs_is_the_one_planned(d, launch_overrides):
     assert not any("sm90" in n for n in kernel_names(lambda: fa2.fwd(q, k, v, causal=True)))
     # What the family does not serve (here dropout) falls back by the plan, never by error.
     launch_overrides(family="sm90")
-    names = kernel_names(lambda: fa2.fwd(q, k, v, dropout_p=0.1))
+    rng_state = torch.tensor([1, 0], dtype=torch.int64, device="cuda")
+    names = kernel_names(lambda: fa2.fwd(q, k, v, dropout_p=0.1, rng_state=rng_state))
     assert names and not any("sm90" in n for n in names), names
 
 
@@ -118,8 +119,8 @@ def test_hopper_forward_with_alibi_matches_the_reference(d, sq, sk, hk, causal, 
         assert_written(out, name="out")
         options = dict(causal=causal, alibi_slopes=slopes, softcap=softcap)
         out64, lse64 = attention_ref(q.double(), k.double(), v.double(), **options)
-        out_low, _ = attention_ref(q, k, v, upcast=False, **options)
-        _, lse32 = attention_ref(q, k, v, dtype=torch.float32, **options)
+        out_low, lse_low = attention_ref(q, k, v, upcast=False, **options)
+        _, lse32 = (None, lse_low) if softcap else attention_ref(q, k, v, dtype=torch.float32, **options)
         tag = f"sm90 alibi softcap {softcap} d{d} {sq}x{sk} causal={causal}"
         assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
         assert_lse_close(lse, lse64, lse32, name=f"lse {tag}")
@@ -139,11 +140,12 @@ def test_hopper_forward_with_softcap_matches_the_reference(d, sq, sk, hk, causal
     assert result is out
     assert_written(out, name="out")
     out64, lse64 = attention_ref(q.double(), k.double(), v.double(), causal=causal, softcap=softcap)
-    out_low, _ = attention_ref(q, k, v, causal=causal, softcap=softcap, upcast=False)
-    _, lse32 = attention_ref(q, k, v, causal=causal, softcap=softcap, dtype=torch.float32)
+    # lse under softcap: held to attention's error in the inputs' precision, as test_features does (tanh.approx's
+    # relative error ~2^-11 is not in float32 attention's)
+    out_low, lse_low = attention_ref(q, k, v, causal=causal, softcap=softcap, upcast=False)
     tag = f"sm90 softcap {softcap} d{d} {sq}x{sk} causal={causal}"
     assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
-    assert_lse_close(lse, lse64, lse32, name=f"lse {tag}")
+    assert_lse_close(lse, lse64, lse_low, name=f"lse {tag}")
 
 
 @pytest.mark.gpu
