@@ -25,7 +25,6 @@ attention, the merge, the float32 gradient sums) and should rise with the chunk.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import os
 import re
