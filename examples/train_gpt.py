@@ -98,9 +98,13 @@ class GPT(nn.Module):
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    def forward(self, idx, targets):
-        """Mean next-character cross-entropy of idx (batch, seqlen) against targets."""
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+    def forward(self, idx, targets, positions=None):
+        """Mean next-character cross-entropy of idx (batch, seqlen) against targets. positions: each token's place
+        in the sequence, 0..seqlen-1 by default; a context-parallel rank passes those of its shard
+        (examples/train_gpt_cp.py)."""
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(positions)
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.norm(x))
@@ -129,20 +133,21 @@ def batches(data: torch.Tensor, batch: int, seqlen: int, seed: int):
 
 
 # ------------------------------------------------------------------------------------------------ train
+def lr_factor(i: int, steps: int) -> float:
+    """Linear warm-up over the first tenth of the steps, then cosine decay to lr / 10."""
+    warmup = max(1, steps // 10)
+    if i < warmup:
+        return (i + 1) / warmup
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * (i - warmup) / max(1, steps - warmup)))
+
+
 def train(attention: str, args, train_data, val_data, vocab: int) -> dict:
     torch.manual_seed(args.seed)  # the same initial weights for every attention
     model = GPT(vocab, dim=args.dim, nheads=args.nheads, layers=args.layers, seqlen=args.seqlen,
                 attention=attention).to(args.device)
     step = torch.compile(model, fullgraph=True) if args.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    lr_warmup = max(1, args.steps // 10)
-
-    def lr_factor(i):  # linear warm-up over the first tenth of the steps, then cosine decay to lr / 10
-        if i < lr_warmup:
-            return (i + 1) / lr_warmup
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * (i - lr_warmup) / max(1, args.steps - lr_warmup)))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, args.steps))
     autocast = torch.autocast(args.device, dtype=torch.bfloat16)
     data = batches(train_data, args.batch, args.seqlen, args.seed)
     losses, start, wall_start = [], None, time.perf_counter()

@@ -77,6 +77,9 @@ def _sdpa_bwd(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
     _check_options(dropout_p, **kwargs)
     _check_causal(query, key, is_causal)
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    # fa2's backward takes a contiguous lse; callers such as PyTorch's context-parallel ring pass slices of the saved
+    # one (its ring copies them today): copied here only where it is not contiguous, rather than refused.
+    logsumexp = logsumexp.contiguous()
     ops.call(ops.BWD_OUT, _bshd(grad_out), _bshd(query), _bshd(key), _bshd(value), _bshd(out), logsumexp, None, None,
              0, 0, scale, is_causal, False, _bshd(dq), _bshd(dk), _bshd(dv))
     return dq, dk, dv
