@@ -235,7 +235,8 @@ def run_varlen(args):
         runs = {
             "fa2_varlen": (varlen_fn(None, causal), packed, work),
             "fa2_varlen_sm80": (varlen_fn("sm80", causal), packed, work),
-            "fa2_dense": (attention_fn("fa2", causal, fa2), dense, common.flops(len(lengths), h, mean, mean, d, causal)),
+            "fa2_dense": (attention_fn("fa2", causal, fa2), dense,
+                          common.flops(len(lengths), h, mean, mean, d, causal)),
             "fa2_padded": (attention_fn("fa2", causal, fa2), padded, work),
             "sdpa_flash_padded": (attention_fn("sdpa_flash", causal), padded, work),
         }

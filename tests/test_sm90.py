@@ -1,7 +1,7 @@
 """The Hopper forward family (csrc/sm90/, GPU): asked for, it runs every call it serves (padded or packed q, k, v at
-head dims 64, 128 and 256, full or causal, MHA/GQA/MQA, any lengths) on an sm90 device whose build has it, and the plan falls
-back to the mma.sync family everywhere else; either way the result meets the fp64 reference rule. The kernel names in
-a profile say which family ran. CPU (record mode): the plan's family."""
+head dims 64, 128 and 256, full or causal, MHA/GQA/MQA, any lengths) on an sm90 device whose build has it, and the
+plan falls back to the mma.sync family everywhere else; either way the result meets the fp64 reference rule. The
+kernel names in a profile say which family ran. CPU (record mode): the plan's family."""
 import pytest
 import torch
 
@@ -207,9 +207,10 @@ def test_hopper_varlen_forward_matches_the_reference(d, case, causal, launch_ove
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_hopper_varlen_many_sequences(dtype, launch_overrides):
+def test_hopper_varlen_many_sequences(dtype, launch_overrides, require_kernel):
     """Many sequences of random lengths (mostly shorter than a tile, the longest a few tiles), causal: most tiles of
     the grid lie past their sequence's end."""
+    require_kernel("fwd", 128, dtype)
     launch_overrides(family="sm90")
     lengths = torch.randint(0, 90, (300,)).tolist() + [700]
     check_varlen(lengths, None, 4, 2, 128, True, dtype)
@@ -232,9 +233,10 @@ def test_hopper_varlen_equals_the_padded_batch(d, launch_overrides, require_kern
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_varlen_training_step_matches_the_reference(causal, launch_overrides):
+def test_hopper_varlen_training_step_matches_the_reference(causal, launch_overrides, require_kernel):
     """fa2.attention_varlen with the Hopper forward and the mma.sync backward (which reads its out and the packed
     lse): out and gradients against the per-sequence fp64 reference."""
+    require_kernel("bwd", 128, torch.bfloat16)
     launch_overrides(family="sm90")
     lengths = [12, 0, 300, 1, 129, 77]
     q, cu = pack(lengths, 4, 128, torch.bfloat16)
