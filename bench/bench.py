@@ -211,24 +211,45 @@ def run_varlen(args):
         for i, n in enumerate(lengths):
             p[i, :n] = t[cu[i]:cu[i] + n].detach()
         p.requires_grad_()
-    print("# TFLOP/s count the real tokens' work only (FA2 formula per sequence), so padding shows as lost throughput")
+    # The per-FLOP reference (issue #35): a padded batch of as many sequences of the mean length (the same tokens, no
+    # padding), its TFLOP/s counted on its own work.
+    mean = max(1, round(total / len(lengths)))
+    dense = [torch.randn(len(lengths), mean, h, d, device="cuda", dtype=dt, requires_grad=True) for _ in range(3)]
+
+    def varlen_fn(family, causal):
+        def run(q, k, v):
+            if family:
+                fa2._C.set_test_overrides(family=family)  # test-only (csrc/CONTRACT.md): this family where it serves
+            try:
+                return fa2.attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal)
+            finally:
+                if family:
+                    fa2._C.set_test_overrides()
+        return run
+
+    print("# TFLOP/s count the real tokens' work only (FA2 formula per sequence), so padding shows as lost throughput;")
+    print(f"# fa2_dense: {len(lengths)}x{mean} (the same tokens, equal lengths), counted on its own work")
+    modes = common.csv_list(args.modes, allowed=("fwd", "fwdbwd"), name="--modes")
     for causal in (False, True):
         work = sum(common.flops(1, h, n, n, d, causal) for n in lengths)
         runs = {
-            "fa2_varlen": (lambda q, k, v: fa2.attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal),
-                           packed),
-            "fa2_padded": (attention_fn("fa2", causal, fa2), padded),
-            "sdpa_flash_padded": (attention_fn("sdpa_flash", causal), padded),
+            "fa2_varlen": (varlen_fn(None, causal), packed, work),
+            "fa2_varlen_sm80": (varlen_fn("sm80", causal), packed, work),
+            "fa2_dense": (attention_fn("fa2", causal, fa2), dense,
+                          common.flops(len(lengths), h, mean, mean, d, causal)),
+            "fa2_padded": (attention_fn("fa2", causal, fa2), padded, work),
+            "sdpa_flash_padded": (attention_fn("sdpa_flash", causal), padded, work),
         }
-        for mode in ("fwd", "fwdbwd"):
-            cells = []
-            for name, (fn, (q, k, v)) in runs.items():
+        for mode in modes:
+            cells, rate = [], {}
+            for name, (fn, (q, k, v), flops) in runs.items():
                 ms = common.time_ms(step_fn(fn, mode, q, k, v, torch.randn_like(q)))
-                tflops = work * common.MODE_FLOPS[mode] / ms / 1e9
+                tflops = rate[name] = flops * common.MODE_FLOPS[mode] / ms / 1e9
                 cells.append(f"{name} {ms:7.3f} ms {tflops:6.1f} TFLOP/s")
                 rows.write(impl=name, mode=mode, dtype=args.dtype, hdim=d, causal=causal, seqlen=longest,
                            batch=len(lengths), nheads=h, ms=ms, tflops=tflops, tokens=total, min=args.min,
                            max=args.max)
+            cells.append(f"varlen/dense {rate['fa2_varlen'] / rate['fa2_dense']:.2f}")
             print(f"causal={causal!s:5} {mode:6} | " + " | ".join(cells), flush=True)
     rows.close()
     return 0 if ok else 1
@@ -878,6 +899,7 @@ def parser():
     p.add_argument("--nheads", type=int, default=16)
     p.add_argument("--dtype", default="bf16", choices=common.DTYPE_NAMES)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default="fwd,fwdbwd", help="fwd, fwdbwd (comma-separated)")
     p.add_argument("--out", default=None, help="results .jsonl (default bench/results/<gpu>-<date>-varlen.jsonl)")
     p.add_argument("--no-check", action="store_true", help="skip the tests' reference check before timing")
     p.set_defaults(run=run_varlen)

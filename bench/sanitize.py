@@ -10,7 +10,8 @@ configurations of consumer GPUs (csrc/sm80/config.h), padded and packed: d256's 
 The last two cases are split (split-KV, fwd_combine.h). Last, the cases again with a sliding window (blocks skipped
 on both sides, rows that see no key), softcap, ALiBi, dropout and sinks; --features runs only those, then once more
 on 99 KB configurations. First, KV-cache calls (fa2.attention_with_kvcache), paged and not, with index values out of
-range. Before them, the Hopper forward (csrc/sm90/) where the build and GPU have it; --hopper runs only that.
+range. Before them, the Hopper forward (csrc/sm90/), padded and packed, where the build and GPU have it; --hopper runs
+only that.
 """
 import sys
 
@@ -114,13 +115,18 @@ def run_kvcache():
 HOPPER_CASES = [(1, 77, 133, 4, 2, 64, True), (2, 130, 61, 2, 1, 64, True), (1, 200, 200, 2, 2, 256, True),
                 (1, 1030, 100, 2, 2, 256, False), (1, 129, 257, 8, 1, 128, False), (2, 300, 80, 2, 2, 128, True),
                 (2, 1030, 300, 8, 2, 64, True), (1, 2100, 2100, 8, 8, 128, False)]
+# Packed batches on the Hopper forward (more than 64 rows in the longest, so that it serves them): tiles past a
+# sequence's end, sequences shorter than a tile, empty ones, each TMA store cut at its sequence's end.
+HOPPER_VARLEN = [([0, 1, 77, 300, 5], [3, 0, 64, 129, 500], 4, 2, 64, True),
+                 ([200, 1, 0, 63, 130], [100, 257, 9, 63, 1], 2, 2, 128, False),
+                 ([129, 3, 260], [70, 300, 260], 2, 1, 256, True)]
 
 
 def run_hopper():
     if "sm90" not in fa2.build_info()["families"] or torch.cuda.get_device_capability() != (9, 0):
         return
     fa2._C.set_test_overrides(family="sm90")  # test-only (csrc/CONTRACT.md)
-    run_cases(HOPPER_CASES, [], (torch.bfloat16,))
+    run_cases(HOPPER_CASES, HOPPER_VARLEN, (torch.bfloat16,))
     qkv = torch.randn(2, 257, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
     out, _ = fa2.fwd(*qkv.unbind(2), causal=True)
     # The features it serves: a sliding window (blocks skipped on both sides, rows that see no key), softcap, a sink.

@@ -1,7 +1,7 @@
-"""The Hopper forward family (csrc/sm90/, GPU): asked for, it runs every call it serves (padded q, k, v at head dims
-64, 128 and 256, full or causal, MHA/GQA/MQA, any lengths) on an sm90 device whose build has it, and the plan falls
-back to the mma.sync family everywhere else; either way the result meets the fp64 reference rule. The kernel names in
-a profile say which family ran. CPU (record mode): the plan's family."""
+"""The Hopper forward family (csrc/sm90/, GPU): asked for, it runs every call it serves (padded or packed q, k, v at
+head dims 64, 128 and 256, full or causal, MHA/GQA/MQA, any lengths) on an sm90 device whose build has it, and the
+plan falls back to the mma.sync family everywhere else; either way the result meets the fp64 reference rule. The
+kernel names in a profile say which family ran. CPU (record mode): the plan's family."""
 import pytest
 import torch
 
@@ -11,6 +11,7 @@ from fa2.reference import attention_ref
 from fa2.testing import assert_close_to_ref, assert_lse_close, assert_written, poison
 
 from test_fwd import check_fwd, randn
+from test_varlen import pack, per_sequence_lse32, per_sequence_ref
 
 
 def hopper_expected():
@@ -157,6 +158,103 @@ def test_hopper_forward_reads_strided_views(launch_overrides):
     check_fwd(q, k, v, causal=True, tag="sm90 packed qkv")
 
 
+# Packed batches (lengths_q, lengths_k, nheads, nheads_k): sequences shorter than a tile, of one token, empty, longer
+# than a tile by one; seqlen_q != seqlen_k per sequence (queries without keys, keys without queries); GQA and MQA.
+VARLEN = [
+    ([1, 5, 128, 300, 0, 77, 129, 1000, 1, 64], None, 4, 4),
+    ([3, 200, 0, 64, 129, 17, 700, 1], [70, 150, 9, 0, 257, 1, 300, 999], 8, 2),
+    ([513, 65, 2, 1100], [1, 2000, 130, 1100], 4, 1),
+]
+
+
+def check_varlen(lengths_q, lengths_k, h, hk, d, causal, dtype=torch.bfloat16):
+    """fa2.fwd_varlen against the fp64 reference run sequence by sequence, out and lse. out is a view of a poisoned
+    buffer with rows past the packed tensor: a tile that wrote rows of another sequence (or past the end) leaves NaN
+    or wrong values there, whichever sequence's tile ran last."""
+    lengths_k = lengths_k or lengths_q
+    q, cu_q = pack(lengths_q, h, d, dtype)
+    k, cu_k = pack(lengths_k, hk, d, dtype)
+    v = torch.randn_like(k)
+    buffer = poison(torch.empty(q.shape[0] + 200, h, d, device="cuda", dtype=dtype))
+    out = buffer[: q.shape[0]]
+    result, lse = fa2.fwd_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal, out=out)
+    assert result is out
+    tag = f"sm90 varlen d{d} q{lengths_q} k{lengths_k} h{h}/{hk} causal={causal}"
+    assert_written(out, name=f"out {tag}")
+    assert torch.isnan(buffer[q.shape[0]:]).all(), f"{tag}: rows past the packed tensor were written"
+    dout = torch.zeros_like(q)  # the references' gradients are not needed here
+    out64, lse64, _ = per_sequence_ref(q, k, v, cu_q, cu_k, causal, dout, upcast=True)
+    out_low, _, _ = per_sequence_ref(q, k, v, cu_q, cu_k, causal, dout, upcast=False)
+    assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
+    assert_lse_close(lse, lse64, per_sequence_lse32(q, k, v, cu_q, cu_k, causal), name=f"lse {tag}")
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", range(len(VARLEN)), ids=["self", "cross_gqa", "cross_mqa"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hopper_varlen_forward_matches_the_reference(d, case, causal, launch_overrides, require_kernel):
+    """Packed sequences on the Hopper forward: TMA reads each sequence through views whose row bound is the
+    sequence's end (sm90/fwd_launch.h), tiles past a sequence's end are skipped, causal is bottom-right per sequence."""
+    require_kernel("fwd", d, torch.bfloat16)
+    launch_overrides(family="sm90")
+    lengths_q, lengths_k, h, hk = VARLEN[case]
+    check_varlen(lengths_q, lengths_k, h, hk, d, causal)
+    if hopper_expected():  # the call above ran on the Hopper family: the plan serves it
+        q, cu = pack([300, 7], 2, d, torch.bfloat16)
+        names = kernel_names(lambda: fa2.fwd_varlen(q, q, q, cu, cu, 300, 300, causal=causal))
+        assert any("sm90" in n for n in names), names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_hopper_varlen_many_sequences(dtype, launch_overrides, require_kernel):
+    """Many sequences of random lengths (mostly shorter than a tile, the longest a few tiles), causal: most tiles of
+    the grid lie past their sequence's end."""
+    require_kernel("fwd", 128, dtype)
+    launch_overrides(family="sm90")
+    lengths = torch.randint(0, 90, (300,)).tolist() + [700]
+    check_varlen(lengths, None, 4, 2, 128, True, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hopper_varlen_equals_the_padded_batch(d, launch_overrides, require_kernel):
+    """Equal lengths packed give exactly what the Hopper family gives for the padded batch: the same tiles, key blocks
+    and zero-filled rows past each sequence's end."""
+    require_kernel("fwd", d, torch.bfloat16)
+    launch_overrides(family="sm90")
+    q4, k4, v4 = (randn(3, 200, 4, d) for _ in range(3))
+    cu = torch.tensor([0, 200, 400, 600], dtype=torch.int32, device="cuda")
+    out4, lse4 = fa2.fwd(q4, k4, v4, causal=True)
+    out, lse = fa2.fwd_varlen(q4.flatten(0, 1), k4.flatten(0, 1), v4.flatten(0, 1), cu, cu, 200, 200, causal=True)
+    assert torch.equal(out, out4.flatten(0, 1))
+    assert torch.equal(lse, lse4.transpose(0, 1).flatten(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_varlen_training_step_matches_the_reference(causal, launch_overrides, require_kernel):
+    """fa2.attention_varlen with the Hopper forward and the mma.sync backward (which reads its out and the packed
+    lse): out and gradients against the per-sequence fp64 reference."""
+    require_kernel("bwd", 128, torch.bfloat16)
+    launch_overrides(family="sm90")
+    lengths = [12, 0, 300, 1, 129, 77]
+    q, cu = pack(lengths, 4, 128, torch.bfloat16)
+    k, v = (torch.randn(q.shape[0], 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = fa2.attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    out64, _, g64 = per_sequence_ref(q, k, v, cu, cu, causal, dout, upcast=True)
+    out_low, _, g_low = per_sequence_ref(q, k, v, cu, cu, causal, dout, upcast=False)
+    assert_close_to_ref(out, out64, out_low, name=f"sm90 attention_varlen out causal={causal}")
+    for name, g, r64, rl in zip(("dq", "dk", "dv"), got, g64, g_low):
+        assert_close_to_ref(g, r64, rl, name=f"sm90 attention_varlen {name} causal={causal}")
+
+
 @pytest.mark.gpu
 def test_hopper_training_step_matches_the_mma_sync_one(launch_overrides):
     """fa2.attention's backward (mma.sync) takes the Hopper forward's out and lse: gradients agree with an all-sm80
@@ -192,6 +290,12 @@ def test_the_plan_names_the_family(recording, launch_overrides):
     assert recording.calls[-1][1]["plan"]["family"] == plan["family"]  # ALiBi and windows: in the score transforms
     fa2.fwd(q, k, v, dropout_p=0.1, rng_state=torch.zeros(2, dtype=torch.int64))
     assert recording.calls[-1][1]["plan"]["family"] == "sm80"  # dropout: not served yet
+    packed, cu = q.flatten(0, 1), torch.tensor([0, 100, 256], dtype=torch.int32)
+    fa2.fwd_varlen(packed, packed, packed, cu, cu, 156, 156, causal=True)
+    assert recording.calls[-1][1]["plan"]["family"] == plan["family"]  # packed sequences: per-sequence TMA views
+    short = torch.tensor([0, 64, 128, 192, 256], dtype=torch.int32)
+    fa2.fwd_varlen(packed, packed, packed, short, short, 64, 64)
+    assert recording.calls[-1][1]["plan"]["family"] == "sm80"  # at most 64 query rows in the longest: decoding's
 
 
 def test_a_family_override_must_name_a_family():

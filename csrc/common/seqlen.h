@@ -56,6 +56,19 @@ struct PageCursor {
   }
 };
 
+// Sequence `batch`'s tokens [start, start + len) of a packed tensor of `total` tokens (cu: cu_seqlens). Clamped so that
+// a corrupt cu_seqlens can never address outside the tensor, and cut at the max_seqlen that sized the grid. The Python
+// layer validates both and reports bad values; this only keeps the kernels memory-safe when it cannot look (CUDA-graph
+// capture). Every family reads a packed sequence's bounds here.
+struct PackedSpan {
+  int start, len;
+};
+__device__ __forceinline__ PackedSpan packed_span(const int* cu, int batch, int total, int max_len) {
+  const int begin = min(max(cu[batch], 0), total);
+  const int end = min(max(cu[batch + 1], begin), total);
+  return {begin, min(end - begin, max_len)};
+}
+
 struct SeqInfo {
   int seqlen_q, seqlen_k;    // this sequence's lengths
   int kv_batch;              // the batch entry of its k and v: its own, a KV cache's batch_index one, or 0 when paged
@@ -79,16 +92,11 @@ struct SeqInfo {
       stats_row = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
       return;
     }
-    // Clamped so that a corrupt cu_seqlens can never address outside the tensors, and cut at the
-    // max_seqlen that sized the grid. The Python layer validates both and reports bad values; this only
-    // keeps the kernels memory-safe when it cannot look (CUDA-graph capture).
-    const int q0 = min(max(p.cu_seqlens_q[batch], 0), p.total_q);
-    const int q1 = min(max(p.cu_seqlens_q[batch + 1], q0), p.total_q);
-    const int k0 = min(max(p.cu_seqlens_k[batch], 0), p.total_k);
-    const int k1 = min(max(p.cu_seqlens_k[batch + 1], k0), p.total_k);
-    seqlen_q = min(q1 - q0, p.seqlen_q), seqlen_k = min(k1 - k0, p.seqlen_k);
-    q_start = q0, k_start = k0;
-    stats_row = int64_t(head) * p.total_q + q0;
+    const PackedSpan q = packed_span(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q);
+    const PackedSpan k = packed_span(p.cu_seqlens_k, batch, p.total_k, p.seqlen_k);
+    seqlen_q = q.len, seqlen_k = k.len;
+    q_start = q.start, k_start = k.start;
+    stats_row = int64_t(head) * p.total_q + q.start;
   }
 
   // This sequence's (seqlen, kHeadDim) slice of one head of a q-side (q, o, dO, dQ) or k-side (k, v, dK, dV)

@@ -101,8 +101,8 @@ int requested_family() {
 Family forward_family(const FwdParams& p, DType dtype, int head_dim, const DeviceInfo& device) {
   if (requested_family() == 1 || !device.sm90a) return Family::kSm80;
   const bool serves = sm90_built(head_dim, dtype) &&
-                      sm90::fwd_serves(p.head_dim, p.seqlen_q, p.cu_seqlens_q != nullptr, p.cache.capacity > 0 ||
-                                       p.cache.block_table != nullptr, p.window_left, p.window_right,
+                      sm90::fwd_serves(p.head_dim, p.seqlen_q, p.cache.capacity > 0 || p.cache.block_table != nullptr,
+                                       p.window_left, p.window_right,
                                        p.softcap_in > 0.f, p.alibi_slopes != nullptr, p.sink != nullptr,
                                        p.rng_state != nullptr) &&
                       tma_strides(p.q_stride) && tma_strides(p.k_stride) && tma_strides(p.v_stride) &&

@@ -30,13 +30,14 @@ constexpr int fwd_smem_bytes(FwdTileShape t, int head_dim) {
   return (t.block_m * (fwd_stores_by_tma(head_dim) ? 2 : 1) + 2 * t.stages * t.block_n) * head_dim * 2 + 2048;
 }
 
-// What the forward of this family computes: padded batches of q, k and v (no KV cache, no packed sequences), any
-// lengths, MHA/GQA/MQA, full, causal or windowed (bottom-right) attention, softcap, ALiBi and sinks, at the compiled
-// head dims exactly. Dropout and split-KV are the mma.sync family's until this family has them, and so are calls of
-// at most 64 query rows (decoding), whose 64-row tile and split-KV fill the GPU where a 128-row tile would not.
-constexpr bool fwd_serves(int head_dim, int seqlen_q, bool varlen, bool kvcache, int /*window_left*/,
+// What the forward of this family computes: padded batches of q, k and v and packed ones (varlen: cu_seqlens, each
+// sequence bottom-right aligned on its own), no KV cache, any lengths, MHA/GQA/MQA, full, causal or windowed
+// attention, softcap, ALiBi and sinks, at the compiled head dims exactly. Dropout and split-KV are the mma.sync
+// family's until this family has them, and so are calls of at most 64 query rows (decoding; varlen: max_seqlen_q),
+// whose 64-row tile and split-KV fill the GPU where a 128-row tile would not.
+constexpr bool fwd_serves(int head_dim, int seqlen_q, bool kvcache, int /*window_left*/,
                           int /*window_right*/, bool /*softcap*/, bool /*alibi*/, bool /*sink*/, bool dropout) {
-  return fwd_has_tile(head_dim) && seqlen_q > 64 && !varlen && !kvcache && !dropout;
+  return fwd_has_tile(head_dim) && seqlen_q > 64 && !kvcache && !dropout;
 }
 
 }  // namespace fa2::sm90

@@ -13,6 +13,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "common/band.h"
+#include "common/seqlen.h"
 #include "sm90/softmax.h"
 #include "sm90/tile_scheduler.h"
 #include "sm90/traits.h"
@@ -31,6 +32,22 @@ __device__ __forceinline__ int2 key_blocks(int m_block, int seqlen_q, int seqlen
   if (right >= 0) end = min(end, max(ceil_div(last_row + diagonal + right + 1, kBlockN), 0));
   if (left >= 0) begin = max(first_row + diagonal - left, 0) / kBlockN;
   return make_int2(begin, end);
+}
+
+// Where the sequence of batch entry `batch` lives, as the TMA coordinates of fwd_launch.h's views (tma_view) address
+// it: a padded batch's rows as they are; a packed sequence's (varlen, common/seqlen.h: packed_span) row r at row
+// coordinate r + shift of batch coordinate `coord`, so that the views' row bound is the sequence's end.
+struct SeqRows {
+  int seqlen_q, seqlen_k;
+  int q_shift, k_shift, q_coord, k_coord;
+  int q_start;  // the sequence's first token in packed q, o and lse's rows; 0 for a padded batch
+};
+template <class Params>
+__device__ __forceinline__ SeqRows seq_rows(Params const& p, int batch) {
+  if (p.cu_seqlens_q == nullptr) return {p.seqlen_q, p.seqlen_k, 0, 0, batch, batch, 0};
+  const PackedSpan q = packed_span(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q);
+  const PackedSpan k = packed_span(p.cu_seqlens_k, batch, p.total_k, p.seqlen_k);
+  return {q.len, k.len, p.seqlen_q - q.len, p.seqlen_k - k.len, q.start + q.len, k.start + k.len, q.start};
 }
 
 constexpr int kEpilogueBarrier = 3;  // the consumer warpgroups' named barrier around the shared O tile
@@ -110,37 +127,54 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
     auto v_stage = k_stage;
     int q_loads = 0;
     for (int i = 0, t = blockIdx.x;; ++i) {
+      // Varlen: the grid covers the longest sequence's query blocks, and a tile past its own sequence's end has no
+      // rows. The producer draws on past such tiles, so the consumers never see them (both sides derive a tile's rows
+      // and key blocks from the same seq_rows). A padded batch's tiles all have rows.
+      if (p.cu_seqlens_q != nullptr) {
+        for (; t < num_tiles; t = atomicAdd(p.tile_counter, 1) + int(gridDim.x)) {
+          const WorkTile w = scheduler.tile(t);
+          if (w.m_block * kBlockM < seq_rows(p, w.batch).seqlen_q) break;
+        }
+      }
       // Publish tile t in slot i % 2 (a tile past the end tells the consumers to stop), and draw the next.
       if (i >= 2) shared.tile_empty[i & 1].wait(((i >> 1) - 1) & 1);
       publish_tile(shared.tiles[i & 1], t);
       shared.tile_full[i & 1].arrive();
       if (t >= num_tiles) break;
-      const int next = atomicAdd(p.tile_counter, 1) + int(gridDim.x);
       const WorkTile w = scheduler.tile(t);
-      t = next;
+      const SeqRows seq = seq_rows(p, w.batch);
+      t = atomicAdd(p.tile_counter, 1) + int(gridDim.x);
       const int head_kv = w.head / p.head_group_kv;
-      const int2 band = key_blocks<kBlockM, kBlockN>(w.m_block, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+      const int2 band =
+          key_blocks<kBlockM, kBlockN>(w.m_block, seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
       const int n_begin = band.x, n_end = band.y;
       if (n_end <= n_begin) continue;  // the consumers write this tile's empty rows without loads
-      Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, w.head, w.batch);   // (seqlen_q, d)
-      Tensor mK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, w.batch);  // (seqlen_k, d)
-      Tensor mVt = p.tma_v.get_tma_tensor(shape_vt)(_, _, head_kv, w.batch);  // (d, seqlen_k)
+      // (rows, d) of this sequence and head; Q's coordinates shifted so that TMA's row bound is the sequence's end.
+      Tensor mQ = domain_offset(make_coord(seq.q_shift, _0{}),
+                                p.tma_q.get_tma_tensor(p.shape_q)(_, _, w.head, seq.q_coord));
+      Tensor mK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, seq.k_coord);   // (rows, d)
+      Tensor mVt = p.tma_v.get_tma_tensor(shape_vt)(_, _, head_kv, seq.k_coord);  // (d, rows)
       Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(w.m_block, _0{}));
-      Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));    // (N, d, n)
-      Tensor gVt = local_tile(mVt, Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (d, N, n)
       auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt),
-                                        group_modes<0, 2>(gVt));
-      auto load_k = [&](int n) {
+      // K and V of the key block whose first row is at row coordinate `row` (k_shift + n * kBlockN for block n). The
+      // loops below count in these coordinates, so the shift holds no register of the producer's 24 across them.
+      auto load_k = [&](int row) {
+        Tensor gK = local_tile(domain_offset(make_coord(row, _0{}), mK), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                               make_coord(_0{}, _0{}));
+        auto [tKgK, tKsK] =
+            tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
         k_pipe.producer_acquire(k_stage);  // waits for the stage to be free, then expects its bytes
-        copy(p.tma_k.with(*k_pipe.producer_get_barrier(k_stage), 0, TMA::CacheHintSm90::EVICT_LAST), tKgK(_, n),
+        copy(p.tma_k.with(*k_pipe.producer_get_barrier(k_stage), 0, TMA::CacheHintSm90::EVICT_LAST), tKgK,
              tKsK(_, k_stage.index()));
         ++k_stage;
       };
-      auto load_v = [&](int n) {
+      auto load_v = [&](int row) {
+        Tensor gVt = local_tile(domain_offset(make_coord(_0{}, row), mVt), Shape<Int<kHeadDim>, Int<kBlockN>>{},
+                                make_coord(_0{}, _0{}));
+        auto [tVgV, tVsV] =
+            tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
         v_pipe.producer_acquire(v_stage);
-        copy(p.tma_v.with(*v_pipe.producer_get_barrier(v_stage), 0, TMA::CacheHintSm90::EVICT_LAST), tVgV(_, n),
+        copy(p.tma_v.with(*v_pipe.producer_get_barrier(v_stage), 0, TMA::CacheHintSm90::EVICT_LAST), tVgV,
              tVsV(_, v_stage.index()));
         ++v_stage;
       };
@@ -150,12 +184,13 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
       copy(p.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full), 0, TMA::CacheHintSm90::EVICT_FIRST), tQgQ, tQsQ);
       ++q_loads;
       // The order the consumers use them in: K of block n before V of block n + 1 (whose P V runs under Q K_n^T).
-      load_k(n_end - 1);
-      for (int n = n_end - 2; n >= n_begin; --n) {
-        load_k(n);
-        load_v(n + 1);
+      const int row_last = seq.k_shift + (n_end - 1) * kBlockN, row_begin = seq.k_shift + n_begin * kBlockN;
+      load_k(row_last);
+      for (int row = row_last - kBlockN; row >= row_begin; row -= kBlockN) {
+        load_k(row);
+        load_v(row + kBlockN);
       }
-      load_v(n_begin);
+      load_v(row_begin);
     }
     k_pipe.producer_tail(k_stage);  // no exit while loads into this CTA's shared memory are in flight
     v_pipe.producer_tail(v_stage);
@@ -182,7 +217,6 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
   Tensor acc_o = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
   constexpr int kRows = decltype(size<0>(acc_o))::value;
   OnlineSoftmax<kRows> softmax;
-  const int diagonal = p.seqlen_k - p.seqlen_q;
   typename Traits::PipelineState stage;
   int q_loads = 0;
   if (warpgroup == 1) pingpong.take_first_turn();
@@ -193,7 +227,9 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
     shared.tile_empty[i & 1].arrive();
     if (t >= num_tiles) break;
     const WorkTile w = scheduler.tile(t);
-    const int2 band = key_blocks<kBlockM, kBlockN>(w.m_block, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+    const SeqRows seq = seq_rows(p, w.batch);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, diagonal = seqlen_k - seqlen_q;
+    const int2 band = key_blocks<kBlockM, kBlockN>(w.m_block, seqlen_q, seqlen_k, p.window_left, p.window_right);
     const int n_begin = band.x, n_end = band.y;
     const int first_row = w.m_block * kBlockM, last_row = first_row + kBlockM - 1;
     clear(tOrO);
@@ -224,12 +260,12 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
           }
         }
       }
-      if (key0 + kBlockN > p.seqlen_k || (right >= 0 && key0 + kBlockN - 1 > first_row + diagonal + right) ||
+      if (key0 + kBlockN > seqlen_k || (right >= 0 && key0 + kBlockN - 1 > first_row + diagonal + right) ||
           (left >= 0 && key0 < last_row + diagonal - left)) {
         CUTE_UNROLL
         for (int r = 0; r < size<0>(s); ++r) {
           const int row = first_row + get<0>(cS_rc(r, 0));
-          const int key_end = right >= 0 ? min(p.seqlen_k, row + diagonal + right + 1) : p.seqlen_k;
+          const int key_end = right >= 0 ? min(seqlen_k, row + diagonal + right + 1) : seqlen_k;
           const int key_begin = left >= 0 ? row + diagonal - left : INT_MIN;
           CUTE_UNROLL
           for (int c = 0; c < size<1>(s); ++c) {
@@ -291,14 +327,17 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
     // ---------------------------------------------------------------------------------------- epilogue
     float lse[kRows];
     softmax.finalize(acc_o, p.scale, p.sink == nullptr ? nullptr : p.sink + w.head, lse);
-    float* lse_row = p.lse + (int64_t(w.batch) * p.nheads + w.head) * p.seqlen_q;
+    // lse is (batch, nheads, seqlen_q), or packed (nheads, total_q) (common/params.h).
+    float* lse_row = p.lse + (p.cu_seqlens_q == nullptr ? (int64_t(w.batch) * p.nheads + w.head) * seqlen_q
+                                                        : int64_t(w.head) * p.total_q + seq.q_start);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int row = first_row + get<0>(cO_rc(r, 0));
-      if (row < p.seqlen_q && get<1>(cO_rc(r, 0)) == 0) lse_row[row] = lse[r];  // one lane of the row's quad
+      if (row < seqlen_q && get<1>(cO_rc(r, 0)) == 0) lse_row[row] = lse[r];  // one lane of the row's quad
     }
     if constexpr (Traits::kStoreByTma) {
-      // O to shared memory (stmatrix), then one TMA store of the tile, which clips the rows past seqlen_q. The
+      // O to shared memory (stmatrix), then one TMA store of the tile, which clips the rows past the sequence's end
+      // (fwd_launch.h: tma_view), so a packed sequence's tile never writes the next sequence's rows. The
       // buffer is rewritten only once the previous tile's store has read it (kEpilogue: both consumer warpgroups).
       Tensor sO = make_tensor(make_smem_ptr(shared.o.data()), typename Traits::SmemLayoutO{});
       Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
@@ -312,7 +351,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
       cutlass::arch::fence_view_async_shared();  // the generic-proxy writes, before the copy engine reads them
       cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kEpilogueBarrier);
       if (issuer) {
-        Tensor mO = p.tma_o.get_tma_tensor(p.shape_q)(_, _, w.head, w.batch);
+        Tensor mO = domain_offset(make_coord(seq.q_shift, _0{}),
+                                  p.tma_o.get_tma_tensor(p.shape_q)(_, _, w.head, seq.q_coord));
         Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(w.m_block, _0{}));
         auto [tOgO, tOsO] = tma_partition(p.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sO),
                                           group_modes<0, 2>(gO));
@@ -320,11 +360,12 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
         tma_store_arrive();
       }
     } else {
-      Element* o = p.o + w.batch * p.o_batch_stride + w.head * p.o_head_stride;
+      // Packed o has no batch stride (0) and starts the sequence at row q_start.
+      Element* o = p.o + w.batch * p.o_batch_stride + int64_t(seq.q_start) * p.o_row_stride + w.head * p.o_head_stride;
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         const int row = first_row + get<0>(cO_rc(r, 0));
-        if (row >= p.seqlen_q) continue;
+        if (row >= seqlen_q) continue;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(acc_o); c += 2) {  // columns c and c + 1 are adjacent: one 4-byte store
           cutlass::Array<float, 2> pair;

@@ -28,16 +28,30 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
     throw std::logic_error("fa2: a forward plan the Hopper family does not serve (host/plan.cpp)");
   }
   FwdKernelParams<Traits> k;
-  // (rows, head dim, heads, batch) with the caller's strides; V as (head dim, keys, heads, batch) for P V's operand.
-  auto shape_q = make_shape(p.seqlen_q, int32_t(kHeadDim), p.nheads, p.batch);
-  auto shape_k = make_shape(p.seqlen_k, int32_t(kHeadDim), p.nheads_k, p.batch);
-  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.q)), shape_q,
-                          make_stride(p.q_stride.row, _1{}, p.q_stride.head, p.q_stride.batch));
-  Tensor mK = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.k)), shape_k,
-                          make_stride(p.k_stride.row, _1{}, p.k_stride.head, p.k_stride.batch));
-  Tensor mVt = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.v)),
-                           make_shape(int32_t(kHeadDim), p.seqlen_k, p.nheads_k, p.batch),
-                           make_stride(_1{}, p.v_stride.row, p.v_stride.head, p.v_stride.batch));
+  // q, k, v and o as TMA sees them, (rows, head dim, heads, batch) with the caller's strides, V as (head dim, keys,
+  // heads, batch) for P V's operand. A padded batch: rows = seqlen, batch entries as they are. Packed sequences
+  // (varlen): rows = max_seqlen, batch = total + 1 entries one row apart, from a base max_seqlen rows before the
+  // tensor: row r of the sequence of tokens [start, start + len) is at (r + max_seqlen - len, batch start + len),
+  // so TMA's bound on the rows is the sequence's end, as a padded batch's is (loads past it bring zeros, never the
+  // next sequence's rows; a store past it writes nothing). fwd_kernel.h: seq_rows.
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  auto tma_view = [&](auto* ptr, const Strides& st, int seqlen, int total, int heads, auto transposed) {
+    auto* base = ptr - (varlen ? int64_t(seqlen) * st.row : 0);
+    const int32_t batches = varlen ? total + 1 : p.batch;
+    const int64_t batch_stride = varlen ? st.row : st.batch;
+    if constexpr (decltype(transposed)::value) {
+      return make_tensor(make_gmem_ptr(base), make_shape(int32_t(kHeadDim), seqlen, heads, batches),
+                         make_stride(_1{}, st.row, st.head, batch_stride));
+    } else {
+      return make_tensor(make_gmem_ptr(base), make_shape(seqlen, int32_t(kHeadDim), heads, batches),
+                         make_stride(st.row, _1{}, st.head, batch_stride));
+    }
+  };
+  auto in = [](const void* ptr) { return static_cast<const Element*>(ptr); };
+  Tensor mQ = tma_view(in(p.q), p.q_stride, p.seqlen_q, p.total_q, p.nheads, false_type{});
+  Tensor mK = tma_view(in(p.k), p.k_stride, p.seqlen_k, p.total_k, p.nheads_k, false_type{});
+  Tensor mVt = tma_view(in(p.v), p.v_stride, p.seqlen_k, p.total_k, p.nheads_k, true_type{});
+  const auto shape_q = mQ.shape(), shape_k = mK.shape();
   k.tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Traits::SmemLayoutQ{},
                           Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
   k.tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename Traits::SmemLayoutK{}),
@@ -45,8 +59,7 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   k.tma_v = make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename Traits::SmemLayoutVt{}),
                           Shape<Int<kHeadDim>, Int<Traits::kBlockN>>{}, _1{});
   if constexpr (Traits::kStoreByTma) {
-    Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.o)), shape_q,
-                            make_stride(p.o_stride.row, _1{}, p.o_stride.head, p.o_stride.batch));
+    Tensor mO = tma_view(static_cast<Element*>(p.o), p.o_stride, p.seqlen_q, p.total_q, p.nheads, false_type{});
     k.tma_o = make_tma_copy(SM90_TMA_STORE{}, mO, typename Traits::SmemLayoutO{},
                             Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
   }
@@ -55,11 +68,15 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   k.o_row_stride = p.o_stride.row, k.o_head_stride = p.o_stride.head, k.o_batch_stride = p.o_stride.batch;
   k.lse = p.lse;
   k.seqlen_q = p.seqlen_q, k.seqlen_k = p.seqlen_k, k.nheads = p.nheads, k.head_group_kv = p.nheads / p.nheads_k;
+  k.cu_seqlens_q = p.cu_seqlens_q, k.cu_seqlens_k = p.cu_seqlens_k;
+  k.total_q = p.total_q, k.total_k = p.total_k;
   k.scale = p.score_scale, k.scale_log2 = p.scale_log2;
   k.sink = p.sink, k.softcap_in = p.softcap_in;
   k.window_left = p.window_left, k.window_right = p.window_right;
   k.alibi_slopes = p.alibi_slopes, k.alibi_batch_stride = p.alibi_batch_stride;
   // Heaviest-first sections: the (head, batch) pairs whose K and V fill about 32 MB of the L2 (50 MB on an H100).
+  // Varlen: the grid is (query blocks of the longest sequence, heads, sequences); a tile past its sequence's end is
+  // skipped by the producer as it draws it (fwd_kernel.h).
   const int64_t kv_bytes = int64_t(p.seqlen_k) * kHeadDim * 2 * sizeof(Element);
   const int section = int(std::max<int64_t>(1, std::min<int64_t>((32 << 20) / kv_bytes, int64_t(p.nheads) * p.batch)));
   k.scheduler = {ceil_div_host(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch, section,

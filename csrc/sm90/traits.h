@@ -49,6 +49,7 @@ struct FwdTraits {
                                               Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
 
   // Global tensors as TMA sees them: (rows, head dim, heads, batch), and V transposed: (head dim, keys, heads, batch).
+  // Packed sequences (varlen) have the same four modes, the batch one counting rows (fwd_launch.h: tma_view).
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
   using StrideQK = Stride<int64_t, _1, int64_t, int64_t>;
   using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;
@@ -105,8 +106,11 @@ struct FwdKernelParams {
   typename Traits::ShapeQKV shape_q, shape_k;  // (seqlen, head dim, heads, batch); shape_k's heads are nheads_k
   typename Traits::Element* o;
   int64_t o_row_stride, o_head_stride, o_batch_stride;
-  float* lse;  // (batch, nheads, seqlen_q)
-  int seqlen_q, seqlen_k, nheads, head_group_kv;  // head_group_kv: query heads per K/V head
+  float* lse;  // (batch, nheads, seqlen_q); varlen (nheads, total_q)
+  int seqlen_q, seqlen_k, nheads, head_group_kv;  // head_group_kv: query heads per K/V head; varlen: the longest
+  const int* cu_seqlens_q;  // packed sequences (common/params.h); nullptr: a padded batch
+  const int* cu_seqlens_k;
+  int total_q, total_k;
   float scale, scale_log2;  // the scores' scale (softmax_scale) and it times log2(e)
   const float* sink;        // (nheads,) logits joining each row's denominator (common/params.h); nullptr: none
   float softcap_in;         // > 0: the scores are tanh(q k^T * softcap_in) (common/params.h), scale being softcap
