@@ -5,8 +5,8 @@
 // One persistent CTA per SM = a producer warpgroup (one thread draws the tiles and issues the TMA loads of Q once per
 // tile and of K and V through a `kStages` ring) and two or three consumer warpgroups of 64 query rows each (wgmma:
 // S = Q K^T from shared memory, O += P V with P from registers), taking turns at the tensor cores.
-// 192 x 96 tiles at d64 (three consumers; 128 keys spill at 160 registers), 128 x 128 at d128; at d256 128 x 80, the widest key block whose two K/V
-// stages and Q fit in 227 KB.
+// 192 x 96 tiles at d64 (three consumers; 128 keys spill at their 160 registers), 128 x 128 at d128; at d256
+// 128 x 80, the widest key block whose two K/V stages and Q fit in 227 KB.
 #pragma once
 
 #include "common/plan.h"
@@ -25,7 +25,8 @@ constexpr bool fwd_has_tile(int head_dim) { return head_dim == 64 || head_dim ==
 
 constexpr FwdTileShape fwd_tile(int head_dim) {
   const int consumers = fwd_consumer_warpgroups(head_dim);
-  return {64 * consumers, head_dim == 256 ? 80 : head_dim == 64 ? 96 : 128, (1 + consumers) * kWarpgroupThreads / 32, 2};
+  const int block_n = head_dim == 256 ? 80 : head_dim == 64 ? 96 : 128;
+  return {64 * consumers, block_n, (1 + consumers) * kWarpgroupThreads / 32, 2};
 }
 
 // Whether O leaves through shared memory and a TMA store (traits.h): where its tile fits beside Q, K and V.
