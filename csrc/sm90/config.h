@@ -31,12 +31,13 @@ constexpr int fwd_smem_bytes(FwdTileShape t, int head_dim) {
 }
 
 // What the forward of this family computes: padded batches of q, k and v (no KV cache, no packed sequences), any
-// lengths, MHA/GQA/MQA, full, causal or windowed (bottom-right) attention, softcap, ALiBi and sinks, at the compiled
-// head dims exactly. Dropout and split-KV are the mma.sync family's until this family has them, and so are calls of
-// at most 64 query rows (decoding), whose 64-row tile and split-KV fill the GPU where a 128-row tile would not.
+// lengths, MHA/GQA/MQA, full, causal or windowed (bottom-right) attention, softcap, ALiBi, sinks and dropout (the
+// mma.sync family's mask, sm90/dropout.h), at the compiled head dims exactly. Split-KV is the mma.sync family's, and
+// so are calls of at most 64 query rows (decoding), whose 64-row tile and split-KV fill the GPU where a 128-row tile
+// would not.
 constexpr bool fwd_serves(int head_dim, int seqlen_q, bool varlen, bool kvcache, int /*window_left*/,
-                          int /*window_right*/, bool /*softcap*/, bool /*alibi*/, bool /*sink*/, bool dropout) {
-  return fwd_has_tile(head_dim) && seqlen_q > 64 && !varlen && !kvcache && !dropout;
+                          int /*window_right*/, bool /*softcap*/, bool /*alibi*/, bool /*sink*/, bool /*dropout*/) {
+  return fwd_has_tile(head_dim) && seqlen_q > 64 && !varlen && !kvcache;
 }
 
 }  // namespace fa2::sm90

@@ -59,6 +59,7 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   k.sink = p.sink, k.softcap_in = p.softcap_in;
   k.window_left = p.window_left, k.window_right = p.window_right;
   k.alibi_slopes = p.alibi_slopes, k.alibi_batch_stride = p.alibi_batch_stride;
+  k.rng_state = p.rng_state, k.dropout_threshold = p.dropout_threshold, k.dropout_scale = p.dropout_scale;
   // Heaviest-first sections: the (head, batch) pairs whose K and V fill about 32 MB of the L2 (50 MB on an H100).
   const int64_t kv_bytes = int64_t(p.seqlen_k) * kHeadDim * 2 * sizeof(Element);
   const int section = int(std::max<int64_t>(1, std::min<int64_t>((32 << 20) / kv_bytes, int64_t(p.nheads) * p.batch)));
