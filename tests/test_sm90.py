@@ -274,7 +274,7 @@ def test_hopper_dropout_training_step_matches_the_reference(d, p, causal, launch
         launch_overrides(family=family)
         torch.manual_seed(1234)
         out = fa2.attention(*leaves, causal=causal, dropout_p=p)
-        steps[family] = torch.autograd.grad(out.float().square().sum(), leaves)
+        steps[family] = torch.autograd.grad(out, leaves, dout)  # a fixed dO: what differs is the forward
     for name, a, b in zip("qkv", steps["sm80"], steps["sm90"]):
         torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2, msg=f"d{name}: sm90 forward vs sm80 forward")
 
