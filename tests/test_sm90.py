@@ -235,6 +235,8 @@ def test_hopper_dropout_keeps_exactly_the_mma_sync_scores(d, causal, launch_over
     kept = {}
     for family in ("sm80", "sm90"):
         launch_overrides(family=family)
+        names = kernel_names(lambda: fa2.fwd(q, k, k, causal=causal, dropout_p=p, rng_state=state))
+        assert any("sm90" in n for n in names) == (family == "sm90" and hopper_expected()), names
         windows = []
         for o in range(0, sk, d):
             v = torch.zeros(b, sk, h, d, device="cuda", dtype=torch.bfloat16)
