@@ -67,8 +67,9 @@ struct OnlineSoftmax {
   }
 
   // Normalises acc_o (times out_scale: dropout's 1 / (1 - p), else 1) and returns each row's lse = m * scale + log(l)
-  // (natural log; scale: what the scores are scaled by). A sink logit (nullptr: none) joins l as exp(sink) with no value, the row's max raised to it first so that
-  // nothing overflows. Rows with l == 0 (no visible key and no sink): O = 0, lse = -inf.
+  // (natural log; scale: what the scores are scaled by). A sink logit (nullptr: none) joins l as exp(sink) with no
+  // value, the row's max raised to it first so that nothing overflows. Rows with l == 0 (no visible key and no sink):
+  // O = 0, lse = -inf.
   template <class TensorO>
   __device__ __forceinline__ void finalize(TensorO& acc_o, float scale, const float* sink, float out_scale,
                                            float (&lse)[kRows]) {
