@@ -403,6 +403,8 @@ def run_features(args):
         return 0
     common.require_gpu("bench.py features")
     fa2 = common.load(args.build)
+    if args.family:  # every fa2 call of the run, the gate's too, on that family where it serves the call
+        fa2._C.set_test_overrides(family=args.family)
     device, date = common.device_name(), common.now()
     rows = common.Rows(args.out or common.default_out(device, date, "-features"), "features", device, date)
     print(common.header("bench.py features", fa2))
@@ -446,13 +448,15 @@ def run_features(args):
                                    batch=b, nheads=h, ms=flash, tflops=work / flash / 1e9, feature=name)
                     rows.write(impl="fa2", mode=mode, dtype=args.dtype, hdim=d, causal=causal, seqlen=n, batch=b,
                                nheads=h, ms=ms, tflops=work / ms / 1e9, feature=name, time_vs_base=ms / base,
-                               rounds=args.rounds,
+                               rounds=args.rounds, family=args.family or "plan",
                                options={options: True} if isinstance(options, str) else options)
                     print(f"{d:>4} {n:>6} {name:>15} {mode:>6} {ms:8.3f} {work / ms / 1e9:8.1f} {ms / base:7.3f} "
                           f"{'' if flash is None else f'{flash:13.3f}'}", flush=True)
             del q, k, v, dout, calls
             torch.cuda.empty_cache()
     rows.close()
+    if args.family:
+        fa2._C.set_test_overrides()
     return 0 if ok else 1
 
 
@@ -949,6 +953,9 @@ def parser():
     p.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seqlen")
     p.add_argument("--hidden", type=int, default=2048, help="nheads = hidden // hdim")
     p.add_argument("--out", default=None, help="results .jsonl (default bench/results/<gpu>-<date>-features.jsonl)")
+    p.add_argument("--family", default=None, choices=("sm80", "sm90"),
+                   help="force fa2's forward family (the test override) where it serves the call, e.g. sm90 to time "
+                        "the Hopper forward's dropout against its plain forward (default: the launch plan's)")
     p.add_argument("--no-check", action="store_true", help="skip the tests' reference check before timing")
     p.set_defaults(run=run_features)
 

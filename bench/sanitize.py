@@ -129,7 +129,8 @@ def run_hopper():
     run_cases(HOPPER_CASES, HOPPER_VARLEN, (torch.bfloat16,))
     qkv = torch.randn(2, 257, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
     out, _ = fa2.fwd(*qkv.unbind(2), causal=True)
-    # The features it serves: a sliding window (blocks skipped on both sides, rows that see no key), softcap, a sink.
+    # The features it serves: a sliding window (blocks skipped on both sides, rows that see no key), softcap, a sink;
+    # then dropout.
     for b, sq, sk, h, hk, d, causal in HOPPER_CASES:
         if d not in built:
             continue
@@ -137,6 +138,9 @@ def run_hopper():
         k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         out, _ = fa2.fwd(q, k, v, window_size=(100, 0 if causal else 30), softcap=20.0,
                          sink=torch.randn(h, device="cuda"))
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        out, _ = fa2.fwd(q, k, v, causal=causal, dropout_p=0.3, rng_state=torch.tensor([5, 6], device="cuda"))
         torch.cuda.synchronize()
         assert torch.isfinite(out).all()
     fa2._C.set_test_overrides()

@@ -7,9 +7,10 @@ import torch
 
 import fa2
 from fa2 import ops
-from fa2.reference import attention_ref
+from fa2.reference import attention_ref, dropout_keep_mask
 from fa2.testing import assert_close_to_ref, assert_lse_close, assert_written, poison
 
+from test_features import check_against_reference
 from test_fwd import check_fwd, randn
 from test_varlen import pack, per_sequence_lse32, per_sequence_ref
 
@@ -52,11 +53,13 @@ def test_the_family_that_runs_is_the_one_planned(d, launch_overrides):
     assert hopper == hopper_expected(), names
     launch_overrides(family="sm80")
     assert not any("sm90" in n for n in kernel_names(lambda: fa2.fwd(q, k, v, causal=True)))
-    # What the family does not serve (here dropout) falls back by the plan, never by error.
+    # What the family does not serve (here a decode's 64 query rows) falls back by the plan, never by error.
     launch_overrides(family="sm90")
-    rng_state = torch.tensor([1, 0], dtype=torch.int64, device="cuda")
-    names = kernel_names(lambda: fa2.fwd(q, k, v, dropout_p=0.1, rng_state=rng_state))
+    names = kernel_names(lambda: fa2.fwd(q[:, :64], k, v))
     assert names and not any("sm90" in n for n in names), names
+    state = torch.tensor([1, 2], device="cuda")
+    names = kernel_names(lambda: fa2.fwd(q, k, v, dropout_p=0.1, rng_state=state))
+    assert any("sm90" in n for n in names) == hopper_expected(), names  # dropout: served
 
 
 @pytest.mark.gpu
@@ -269,6 +272,114 @@ def test_hopper_training_step_matches_the_mma_sync_one(launch_overrides):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=f"d{name}")
 
 
+# ------------------------------------------------------------------------------------------------ dropout
+# The Hopper forward must drop exactly the scores the mma.sync family drops (its backward draws the mask again):
+# csrc/sm90/dropout.h. Shapes whose lengths are not multiples of the tiles (128 x 128; d256's 128 x 80, whose key
+# blocks start at every multiple of 16 mod 64), seqlen_q above and below seqlen_k, GQA/MQA.
+DROPOUT_SHAPES = [(64, 300, 257, 2), (128, 1000, 1000, 4), (128, 200, 333, 1), (256, 129, 700, 1)]
+
+
+def dropout_state():
+    """A fresh (seed, offset) from the test's seeded generator, with high bits set in both (the kernels take the
+    seed's 64 bits and the offset's low 32)."""
+    return torch.randint(-2 ** 63, 2 ** 63 - 1, (2,), dtype=torch.int64).cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,sq,sk,hk", DROPOUT_SHAPES, ids=["d{}_{}x{}_kv{}".format(*s) for s in DROPOUT_SHAPES])
+def test_hopper_dropout_matches_the_mma_sync_forward_and_the_reference(d, sq, sk, hk, causal, p, launch_overrides):
+    """Both families' forward with one (seed, offset): each meets the fp64 reference with the mask that state draws
+    (fa2.reference.dropout_keep_mask) under the 2x rule, out and lse (the undropped one), and they agree with each
+    other to rounding, which a single score dropped differently would break."""
+    q, k, v = randn(2, sq, 4, d), randn(2, sk, hk, d), randn(2, sk, hk, d)
+    state = dropout_state()
+    runs = {}
+    for family in ("sm80", "sm90"):
+        launch_overrides(family=family)
+        out = poison(torch.empty_like(q))
+        result, lse = fa2.fwd(q, k, v, causal=causal, dropout_p=p, rng_state=state, out=out)
+        assert result is out
+        assert_written(out, name=f"out {family}")
+        runs[family] = out, lse
+    keep = dropout_keep_mask(state.tolist(), 2, 4, sq, sk, p, device="cuda")
+    options = dict(causal=causal, dropout_p=p, dropout_keep=keep)
+    out64, lse64 = attention_ref(q.double(), k.double(), v.double(), **options)
+    out_low, _ = attention_ref(q, k, v, upcast=False, **options)
+    _, lse32 = attention_ref(q, k, v, dtype=torch.float32, **options)
+    for family, (out, lse) in runs.items():
+        tag = f"{family} dropout {p} d{d} {sq}x{sk} causal={causal}"
+        assert_close_to_ref(out, out64, out_low, name=f"out {tag}")
+        assert_lse_close(lse, lse64, lse32, name=f"lse {tag}")
+    torch.testing.assert_close(runs["sm90"][0], runs["sm80"][0], atol=2e-2, rtol=2e-2, msg="out: sm90 vs sm80")
+    torch.testing.assert_close(runs["sm90"][1], runs["sm80"][1], atol=1e-4, rtol=1e-5, msg="lse: sm90 vs sm80")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hopper_dropout_keeps_exactly_the_mma_sync_scores(d, causal, launch_overrides):
+    """The kept set read out exactly: with q = 0 every visible probability is 1 / (its row's visible keys), and with v
+    a one-hot window of d keys (v[o + j, j] = 1) out[i, j] is that probability / (1 - p) where key o + j is kept and
+    exactly 0 where it is dropped. Windows over all 300 keys (every key block, d256's at every phase mod 64), 200 query
+    rows (two blocks, the second ragged), two batch entries and three heads: the sm90 kept set equals the sm80
+    forward's and the reference's."""
+    b, h, sq, sk, p = 2, 3, 200, 300, 0.4
+    q, k = torch.zeros(b, sq, h, d, device="cuda", dtype=torch.bfloat16), randn(b, sk, h, d)
+    state = dropout_state()
+    keep = dropout_keep_mask(state.tolist(), b, h, sq, sk, p, device="cuda")
+    rows, keys = torch.arange(sq, device="cuda")[:, None], torch.arange(sk, device="cuda")[None]
+    visible = keys <= rows + sk - sq if causal else torch.ones(sq, sk, dtype=torch.bool, device="cuda")
+    kept = {}
+    for family in ("sm80", "sm90"):
+        launch_overrides(family=family)
+        names = kernel_names(lambda: fa2.fwd(q, k, k, causal=causal, dropout_p=p, rng_state=state))
+        assert any("sm90" in n for n in names) == (family == "sm90" and hopper_expected()), names
+        windows = []
+        for o in range(0, sk, d):
+            v = torch.zeros(b, sk, h, d, device="cuda", dtype=torch.bfloat16)
+            width = min(d, sk - o)
+            v[:, o + torch.arange(width), :, torch.arange(width)] = 1
+            out, _ = fa2.fwd(q, k, v, causal=causal, dropout_p=p, rng_state=state)
+            windows.append(out.permute(0, 2, 1, 3)[..., :width])  # (b, h, i, key - o)
+        kept[family] = torch.cat(windows, dim=-1)
+    expected = keep & visible
+    for family, got in kept.items():
+        assert torch.equal(got != 0, expected), f"{family}: {(got != 0).ne(expected).sum().item()} scores differ"
+    torch.testing.assert_close(kept["sm90"], kept["sm80"], rtol=1e-2, atol=0)
+    values = (1 / (visible.sum(-1, keepdim=True) * (1 - p))).expand(sq, sk)[None, None].expand_as(expected)
+    torch.testing.assert_close(kept["sm90"][expected].float(), values[expected].float(), rtol=1e-2, atol=0)
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.02
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,p,causal", [(64, 0.1, True), (128, 0.5, False), (128, 0.1, True), (256, 0.5, True)])
+def test_hopper_dropout_training_step_matches_the_reference(d, p, causal, launch_overrides):
+    """A training step with dropout: the Hopper forward, the mma.sync backward drawing the mask again from the same
+    state. out, lse, dq, dk and dv meet the fp64 reference with that mask (2x rule); and fa2.attention under one
+    torch.manual_seed gives the same gradients whichever family ran the forward."""
+    launch_overrides(family="sm90")
+    q, k, v = randn(2, 333, 4, d), randn(2, 419, 2, d), randn(2, 419, 2, d)
+    state = dropout_state()
+    out, lse = fa2.fwd(q, k, v, causal=causal, dropout_p=p, rng_state=state)
+    dout = torch.randn_like(out)
+    grads = fa2.bwd(dout, q, k, v, out, lse, causal=causal, dropout_p=p, rng_state=state)
+    keep = dropout_keep_mask(state.tolist(), 2, 4, 333, 419, p, device="cuda")
+    options = dict(causal=causal, window_size=(-1, -1), softcap=0.0, dropout_p=p, dropout_keep=keep)
+    check_against_reference(out, lse, grads, q, k, v, None, dout, options, f"sm90 fwd dropout {p} d{d}")
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    steps = {}
+    for family in ("sm80", "sm90"):
+        launch_overrides(family=family)
+        torch.manual_seed(1234)
+        out = fa2.attention(*leaves, causal=causal, dropout_p=p)
+        steps[family] = torch.autograd.grad(out, leaves, dout)  # a fixed dO: what differs is the forward
+    for name, a, b in zip("qkv", steps["sm80"], steps["sm90"]):
+        torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2, msg=f"d{name}: sm90 forward vs sm80 forward")
+
+
 def test_the_plan_names_the_family(recording, launch_overrides):
     """Record mode: the mma.sync family unless a test asks for the Hopper one, which it gets only where this build
     compiled it and the call is one it serves."""
@@ -289,7 +400,9 @@ def test_the_plan_names_the_family(recording, launch_overrides):
     fa2.fwd(q, k, v, alibi_slopes=torch.ones(4), window_size=(100, 0))
     assert recording.calls[-1][1]["plan"]["family"] == plan["family"]  # ALiBi and windows: in the score transforms
     fa2.fwd(q, k, v, dropout_p=0.1, rng_state=torch.zeros(2, dtype=torch.int64))
-    assert recording.calls[-1][1]["plan"]["family"] == "sm80"  # dropout: not served yet
+    assert recording.calls[-1][1]["plan"]["family"] == plan["family"]  # dropout: the mma.sync family's mask
+    fa2.fwd(q[:, :64], k, v)
+    assert recording.calls[-1][1]["plan"]["family"] == "sm80"  # a decode's 64 rows: not served
     packed, cu = q.flatten(0, 1), torch.tensor([0, 100, 256], dtype=torch.int32)
     fa2.fwd_varlen(packed, packed, packed, cu, cu, 156, 156, causal=True)
     assert recording.calls[-1][1]["plan"]["family"] == plan["family"]  # packed sequences: per-sequence TMA views

@@ -1,9 +1,10 @@
 // Attention dropout: which probabilities are kept, drawn from a counter-based generator (Philox4x32) so that the
 // forward and the backward draw the same bits for a score without storing a mask. The mapping is
 // fa2.reference.dropout_keep_mask's. Eight scores share one Philox block: rows i and i ^ 8 times columns j, j ^ 1,
-// j ^ 32 and j ^ 33, which one thread holds in every MMA tiling here (an m16n8 accumulator gives a thread rows r and
-// r + 8 and columns c and c + 1; the forward's warps span the whole key block, the backward's S/dP warps own one
-// 8-column atom in every 32), so each thread runs one Philox per eight of its scores. Each score takes 16 bits:
+// j ^ 32 and j ^ 33, which one thread holds in every MMA tiling here (an m16n8 accumulator, and a 64 x N wgmma one
+// alike, gives a thread rows r and r + 8 and columns c and c + 1; the forwards' warps span the whole key block, the
+// backward's S/dP warps own one 8-column atom in every 32), so each thread runs one Philox per eight of its scores
+// (sm90/dropout.h: per four in d256's 80-key blocks, which split some groups of 64). Each score takes 16 bits:
 // output 2 * bit 5 of j + bit 3 of i, half bit 0 of j; kept iff below floor((1 - dropout_p) * 2^16).
 #pragma once
 
@@ -38,14 +39,22 @@ struct DropoutDraw {
   uint32_t bh, offset;
   uint32_t threshold_high;  // floor((1 - dropout_p) * 2^16) << 16 (dropout_p > 0, so it fits)
 
-  // Reads rng_state only where dropout is on.
-  __device__ __forceinline__ DropoutDraw(FwdParams const& p, int batch, int head) {
-    const bool on = p.rng_state != nullptr;
-    const uint64_t seed = on ? static_cast<uint64_t>(p.rng_state[0]) : 0;
+  // Reads rng_state only where dropout is on (nullptr: off).
+  __device__ __forceinline__ DropoutDraw(const int64_t* rng_state, uint32_t threshold, int nheads, int batch,
+                                         int head) {
+    const bool on = rng_state != nullptr;
+    const uint64_t seed = on ? static_cast<uint64_t>(rng_state[0]) : 0;
     key = make_uint2(uint32_t(seed), uint32_t(seed >> 32));
-    bh = uint32_t(batch) * uint32_t(p.nheads) + uint32_t(head);
-    offset = on ? uint32_t(static_cast<uint64_t>(p.rng_state[1])) : 0u;
-    threshold_high = p.dropout_threshold << 16;
+    offset = on ? uint32_t(static_cast<uint64_t>(rng_state[1])) : 0u;
+    threshold_high = threshold << 16;
+    set_head(nheads, batch, head);
+  }
+  __device__ __forceinline__ DropoutDraw(FwdParams const& p, int batch, int head)
+      : DropoutDraw(p.rng_state, p.dropout_threshold, p.nheads, batch, head) {}
+
+  // Another (batch, head) of the same call (a persistent kernel's next tile): only the counter's third word moves.
+  __device__ __forceinline__ void set_head(int nheads, int batch, int head) {
+    bh = uint32_t(batch) * uint32_t(nheads) + uint32_t(head);
   }
 
   // The Philox block of the eight scores around (row, col).

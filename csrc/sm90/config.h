@@ -40,12 +40,12 @@ constexpr int fwd_smem_bytes(FwdTileShape t, int head_dim) {
 
 // What the forward of this family computes: padded batches of q, k and v and packed ones (varlen: cu_seqlens, each
 // sequence bottom-right aligned on its own), no KV cache, any lengths, MHA/GQA/MQA, full, causal or windowed
-// attention, softcap, ALiBi and sinks, at the compiled head dims exactly. Dropout and split-KV are the mma.sync
-// family's until this family has them, and so are calls of at most 64 query rows (decoding; varlen: max_seqlen_q),
-// whose 64-row tile and split-KV fill the GPU where a 128-row tile would not.
-constexpr bool fwd_serves(int head_dim, int seqlen_q, bool kvcache, int /*window_left*/,
-                          int /*window_right*/, bool /*softcap*/, bool /*alibi*/, bool /*sink*/, bool dropout) {
-  return fwd_has_tile(head_dim) && seqlen_q > 64 && !kvcache && !dropout;
+// attention, softcap, ALiBi, sinks and dropout (the mma.sync family's mask, sm90/dropout.h), at the compiled head dims
+// exactly. Split-KV is the mma.sync family's, and so are calls of at most 64 query rows (decoding; varlen:
+// max_seqlen_q), whose 64-row tile and split-KV fill the GPU where a 128-row tile would not.
+constexpr bool fwd_serves(int head_dim, int seqlen_q, bool kvcache, int /*window_left*/, int /*window_right*/,
+                          bool /*softcap*/, bool /*alibi*/, bool /*sink*/, bool /*dropout*/) {
+  return fwd_has_tile(head_dim) && seqlen_q > 64 && !kvcache;
 }
 
 }  // namespace fa2::sm90

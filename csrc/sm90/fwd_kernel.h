@@ -14,6 +14,7 @@
 
 #include "common/band.h"
 #include "common/seqlen.h"
+#include "sm90/dropout.h"
 #include "sm90/softmax.h"
 #include "sm90/tile_scheduler.h"
 #include "sm90/traits.h"
@@ -219,6 +220,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(CUTE_GRID_CONS
   Tensor acc_o = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
   constexpr int kRows = decltype(size<0>(acc_o))::value;
   OnlineSoftmax<kRows> softmax;
+  const bool dropout = p.rng_state != nullptr;
+  DropoutDraw draw(p.rng_state, p.dropout_threshold, p.nheads, 0, 0);  // the seed read once; the head per tile
   typename Traits::PipelineState stage;
   int q_loads = 0;
   if (warpgroup == 1) pingpong.take_first_turn();
@@ -236,6 +239,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(CUTE_GRID_CONS
     const int first_row = w.m_block * kBlockM, last_row = first_row + kBlockM - 1;
     clear(tOrO);
     softmax.reset();
+    draw.set_head(p.nheads, w.batch, w.head);
 
     // The scores' transforms in fa2.reference.attention_ref's order: softcap (a tanh per score), ALiBi (the negated
     // slope in score units times |row + diagonal - key|), then the masks, on the blocks that need them: keys past
@@ -292,6 +296,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(CUTE_GRID_CONS
       k_pipe.consumer_release(stage);
       finish_scores(s, n_end - 1);
       softmax.template update</*kFirst=*/true>(s, p.scale_log2);
+      if (dropout) apply_dropout<kBlockN>(s, cS_rc, draw, first_row, (n_end - 1) * kBlockN);
       // P from registers: the S accumulator converted, relabelled as the A operand of P V.
       Tensor tSrP = make_tensor<Element>(tSrS.layout());
       Tensor tOrP = make_tensor(tSrP.data(), as_operand_a(tSrS.layout()));
@@ -312,6 +317,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(CUTE_GRID_CONS
         k_pipe.consumer_release(stage);
         finish_scores(s, n);
         softmax.template update<false>(s, p.scale_log2);
+        if (dropout) apply_dropout<kBlockN>(s, cS_rc, draw, first_row, n * kBlockN);  // Philox under the P V too
         warpgroup_wait<0>();
         v_pipe.consumer_release(v_stage);
         convert(tSrS, tSrP);
@@ -328,7 +334,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(CUTE_GRID_CONS
 
     // ---------------------------------------------------------------------------------------- epilogue
     float lse[kRows];
-    softmax.finalize(acc_o, p.scale, p.sink == nullptr ? nullptr : p.sink + w.head, lse);
+    softmax.finalize(acc_o, p.scale, p.sink == nullptr ? nullptr : p.sink + w.head, p.dropout_scale, lse);
     // lse is (batch, nheads, seqlen_q), or packed (nheads, total_q) (common/params.h).
     float* lse_row = p.lse + (p.cu_seqlens_q == nullptr ? (int64_t(w.batch) * p.nheads + w.head) * seqlen_q
                                                         : int64_t(w.head) * p.total_q + seq.q_start);

@@ -74,6 +74,7 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   k.sink = p.sink, k.softcap_in = p.softcap_in;
   k.window_left = p.window_left, k.window_right = p.window_right;
   k.alibi_slopes = p.alibi_slopes, k.alibi_batch_stride = p.alibi_batch_stride;
+  k.rng_state = p.rng_state, k.dropout_threshold = p.dropout_threshold, k.dropout_scale = p.dropout_scale;
   // Heaviest-first sections: the (head, batch) pairs whose K and V fill about 32 MB of the L2 (50 MB on an H100).
   // Varlen: the grid is (query blocks of the longest sequence, heads, sequences); a tile past its sequence's end is
   // skipped by the producer as it draws it (fwd_kernel.h).

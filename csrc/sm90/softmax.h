@@ -66,11 +66,13 @@ struct OnlineSoftmax {
     }
   }
 
-  // Normalises acc_o and returns each row's lse = m * scale + log(l) (natural log; scale: what the scores are scaled
-  // by). A sink logit (nullptr: none) joins l as exp(sink) with no value, the row's max raised to it first so that
-  // nothing overflows. Rows with l == 0 (no visible key and no sink): O = 0, lse = -inf.
+  // Normalises acc_o (times out_scale: dropout's 1 / (1 - p), else 1) and returns each row's lse = m * scale + log(l)
+  // (natural log; scale: what the scores are scaled by). A sink logit (nullptr: none) joins l as exp(sink) with no
+  // value, the row's max raised to it first so that nothing overflows. Rows with l == 0 (no visible key and no sink):
+  // O = 0, lse = -inf.
   template <class TensorO>
-  __device__ __forceinline__ void finalize(TensorO& acc_o, float scale, const float* sink, float (&lse)[kRows]) {
+  __device__ __forceinline__ void finalize(TensorO& acc_o, float scale, const float* sink, float out_scale,
+                                           float (&lse)[kRows]) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float sum = quad_sum(l[r]);
@@ -83,7 +85,7 @@ struct OnlineSoftmax {
         row_max = raised;
       }
       const bool empty = sum == 0.f || sum != sum;
-      const float inv = empty ? 0.f : o_factor / sum;
+      const float inv = empty ? 0.f : o_factor * out_scale / sum;
       lse[r] = empty ? -INFINITY : row_max + __logf(sum);
       CUTE_UNROLL
       for (int c = 0; c < size<1>(acc_o); ++c) acc_o(r, c) *= inv;

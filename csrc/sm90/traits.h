@@ -124,6 +124,9 @@ struct FwdKernelParams {
   int window_left, window_right;  // the band (common/band.h); -1: unbounded; causal is window_right = 0
   const float* alibi_slopes;      // ALiBi's (batch, nheads) or (nheads,) slopes (alibi_batch_stride 0); nullptr: none
   int alibi_batch_stride;
+  const int64_t* rng_state;    // dropout's (seed, offset) on the device (common/params.h); nullptr: none
+  uint32_t dropout_threshold;  // a score is kept iff its 16 drawn bits are below it
+  float dropout_scale;         // 1 / (1 - dropout_p), else 1
   TileScheduler scheduler;  // the tiles and their order
   int* tile_counter;        // tiles handed out past the first gridDim.x, zeroed before the launch
 };
