@@ -3,30 +3,22 @@
 // family serves. A call it does not serve runs on the mma.sync family, by the plan.       docs/tuning.md#sm90-forward
 //
 // One persistent CTA per SM = a producer warpgroup (one thread draws the tiles and issues the TMA loads of Q once per
-// tile and of K and V through a `kStages` ring) and two or three consumer warpgroups of 64 query rows each (wgmma:
-// S = Q K^T from shared memory, O += P V with P from registers), taking turns at the tensor cores.
-// 192 x 96 tiles at d64 (three consumers; 128 keys spill at their 160 registers), 128 x 128 at d128; at d256
-// 128 x 80, the widest key block whose two K/V stages and Q fit in 227 KB.
+// tile and of K and V through a `kStages` ring) and two consumer warpgroups of 64 query rows each (wgmma: S = Q K^T
+// from shared memory, O += P V with P from registers), taking turns at the tensor cores.
+// 128 x 128 tiles at d64 and d128; at d256 128 x 80, the widest key block whose two K/V stages and Q fit in 227 KB.
 #pragma once
 
 #include "common/plan.h"
 
 namespace fa2::sm90 {
 
-constexpr int kWarpgroupThreads = 128;
-
-// Three consumer warpgroups at d64, two elsewhere: d64's softmax of a key block takes longer than its two GEMMs (its
-// exponentials alone keep the MUFU units as busy as the GEMMs keep the tensor cores), so each warpgroup's softmax
-// runs under the other two's GEMMs. At d128 and d256 two suffice, and their accumulators need the 240 registers
-// that only two consumers get.                                                  docs/tuning.md#sm90-forward
-constexpr int fwd_consumer_warpgroups(int head_dim) { return head_dim == 64 ? 3 : 2; }
+constexpr int kWarpgroupThreads = 128, kConsumerWarpgroups = 2;
+constexpr int kThreads = (1 + kConsumerWarpgroups) * kWarpgroupThreads;
 
 constexpr bool fwd_has_tile(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
 constexpr FwdTileShape fwd_tile(int head_dim) {
-  const int consumers = fwd_consumer_warpgroups(head_dim);
-  const int block_n = head_dim == 256 ? 80 : head_dim == 64 ? 96 : 128;
-  return {64 * consumers, block_n, (1 + consumers) * kWarpgroupThreads / 32, 2};
+  return {64 * kConsumerWarpgroups, head_dim == 256 ? 80 : 128, kThreads / 32, 2};
 }
 
 // Whether O leaves through shared memory and a TMA store (traits.h): where its tile fits beside Q, K and V.

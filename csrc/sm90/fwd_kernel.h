@@ -1,5 +1,5 @@
 // The Hopper forward (fa2.reference.flash_fwd_tiled), warp-specialized and persistent: warpgroup 0 draws the tiles
-// (tile_scheduler.h) and loads, warpgroups 1.. compute 64 query rows each of a 128- or 192-row query block. Key blocks
+// (tile_scheduler.h) and loads, warpgroups 1 and 2 compute 64 query rows each of a 128-row query block. Key blocks
 // go from the last visible one down, so the blocks that need masks come first.       docs/tuning.md#sm90-forward
 //
 // Names: g* global tiles, s* shared, t*r* register fragments partitioned by an MMA (tSr: of S = Q K^T, tOr: of
@@ -51,20 +51,19 @@ __device__ __forceinline__ SeqRows seq_rows(Params const& p, int batch) {
   return {q.len, k.len, p.seqlen_q - q.len, p.seqlen_k - k.len, q.start + q.len, k.start + k.len, q.start};
 }
 
-constexpr int kEpilogueBarrier = 4;  // the consumer warpgroups' named barrier around the shared O tile
+constexpr int kEpilogueBarrier = 3;  // the consumer warpgroups' named barrier around the shared O tile
 
-// Ping-pong between the consumer warpgroups, in a ring: each issues its GEMMs only in its turn (named barrier 1 + its
-// index, beyond __syncthreads' 0) and hands the turn to the next one once they are issued, so the tensor cores run
-// one warpgroup's GEMMs while the others' softmax runs on the FP32 and MUFU units.
+// Ping-pong between the consumer warpgroups: each issues its GEMMs only in its turn (named barrier 1 or 2, beyond
+// CUTLASS's reserved ones) and hands the turn over once they are issued, so the tensor cores run one warpgroup's
+// GEMMs while the other one's softmax runs on the FP32 units.
 struct PingPong {
-  int turn, next;  // this warpgroup's barrier and the next one's
-  __device__ __forceinline__ PingPong(int consumer, int consumers)
-      : turn(1 + consumer), next(1 + (consumer + 1) % consumers) {}
+  int turn, other;  // this warpgroup's barrier and the other one's
+  __device__ __forceinline__ explicit PingPong(int consumer) : turn(1 + consumer), other(2 - consumer) {}
   __device__ __forceinline__ void wait() const {
     cutlass::arch::NamedBarrier::sync(2 * kWarpgroupThreads, turn);
   }
   __device__ __forceinline__ void pass() const {
-    cutlass::arch::NamedBarrier::arrive(2 * kWarpgroupThreads, next);
+    cutlass::arch::NamedBarrier::arrive(2 * kWarpgroupThreads, other);
   }
   // Warpgroup 1 goes first: it arrives on its own barrier once, which its first wait completes.
   __device__ __forceinline__ void take_first_turn() const {
@@ -84,7 +83,7 @@ __device__ __forceinline__ int read_tile(const int& slot) {
 }
 
 template <class Traits>
-__global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT FwdKernelParams<Traits> const p) {
+__global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT FwdKernelParams<Traits> const p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;
@@ -122,8 +121,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(CUTE_GRID_CONS
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------------------------------ producer
-    // The loads need few registers; the consumers get them.
-    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    cutlass::arch::warpgroup_reg_dealloc<24>();  // the loads need few registers; the consumers get them
     if (warp != 0 || !cute::elect_one_sync()) return;
     auto shape_vt = make_shape(get<1>(p.shape_k), get<0>(p.shape_k), get<2>(p.shape_k), get<3>(p.shape_k));
     auto k_stage = cutlass::make_producer_start_state<Pipeline>();
@@ -201,9 +199,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(CUTE_GRID_CONS
   }
 
   // ------------------------------------------------------------------------------------------ consumers
-  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+  cutlass::arch::warpgroup_reg_alloc<240>();
   const int thread = threadIdx.x - kWarpgroupThreads;
-  const PingPong pingpong(warpgroup - 1, Traits::kConsumerWarpgroups);
+  const PingPong pingpong(warpgroup - 1);
   typename Traits::TiledMmaS mma_s;
   typename Traits::TiledMmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(thread);

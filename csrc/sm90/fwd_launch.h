@@ -92,7 +92,7 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   // Persistent: one CTA per SM (the shared memory allows no second), each walking its tiles.
   const int grid = std::min(k.scheduler.num_tiles(), device_sm_count());
   check_cuda(cudaMemsetAsync(k.tile_counter, 0, sizeof(int), stream), "sm90 fwd tile counter");
-  kernel<<<grid, Traits::kThreads, smem, stream>>>(k);
+  kernel<<<grid, kThreads, smem, stream>>>(k);
   check_cuda(cudaGetLastError(), "sm90 fwd launch");
 }
 

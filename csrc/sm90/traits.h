@@ -21,14 +21,7 @@ template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, DType kDType>
 struct FwdTraits {
   using Element = std::conditional_t<kDType == DType::fp16, cutlass::half_t, cutlass::bfloat16_t>;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
-  static constexpr int kConsumerWarpgroups = kBlockM / 64;  // each owns 64 query rows
-  static_assert(kBlockM == 64 * kConsumerWarpgroups && (kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3));
-  static constexpr int kThreads = (1 + kConsumerWarpgroups) * kWarpgroupThreads;
-  // setmaxnreg: the producer keeps few registers and the consumers share the rest of the 64K (multiples of 8).
-  static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? 24 : 32;
-  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
-  static_assert(kProducerRegisters * kWarpgroupThreads + kConsumerRegisters * kWarpgroupThreads * kConsumerWarpgroups
-                <= 65536);
+  static_assert(kBlockM == 64 * kConsumerWarpgroups, "each consumer warpgroup owns 64 query rows");
 
   // S = Q K^T is (M = query rows, N = keys, K = head dim); O = P V is (M = query rows, N = head dim, K = keys). The
   // consumer warpgroups stack along M. Q and K are K-major (head dim contiguous). V is stored as it comes, (keys, head
