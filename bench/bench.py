@@ -48,17 +48,9 @@ def attention_fn(impl, causal, fa2=None, dropout_p=0.0):
     if impl == "fa2":
         fa2 = fa2 or common.load()
         return lambda q, k, v: fa2.attention(q, k, v, causal=causal, dropout_p=dropout_p)
-    if impl.startswith("fa2_"):  # one kernel family forced (the test override), where it serves the call
+    if impl.startswith("fa2_"):  # one kernel family forced where it serves the call: see forced_step
         fa2 = fa2 or common.load()
-        family = impl[len("fa2_"):]
-
-        def forced(q, k, v):
-            fa2._C.set_test_overrides(family=family)
-            try:
-                return fa2.attention(q, k, v, causal=causal, dropout_p=dropout_p)
-            finally:
-                fa2._C.set_test_overrides()
-        return forced
+        return lambda q, k, v: fa2.attention(q, k, v, causal=causal, dropout_p=dropout_p)
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
     backend = sdpa_backend(impl)
@@ -68,6 +60,22 @@ def attention_fn(impl, causal, fa2=None, dropout_p=0.0):
             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                   is_causal=causal, dropout_p=dropout_p).transpose(1, 2)
     return sdpa
+
+
+def forced_step(impl, step):
+    """`step` with fa2_<family>'s family forced (the test override) for all of it: the forward and the autograd
+    backward, which plans its own launch when it runs."""
+    if not impl.startswith("fa2_"):
+        return step
+    fa2 = common.load()
+
+    def forced():
+        fa2._C.set_test_overrides(family=impl[len("fa2_"):])
+        try:
+            return step()
+        finally:
+            fa2._C.set_test_overrides()
+    return forced
 
 
 def step_fn(fn, mode, q, k, v, dout):
@@ -154,7 +162,7 @@ def run_sweep(args):
             tflops = {}
             for impl in impls:
                 try:
-                    ms = common.time_ms(step_fn(attention_fn(impl, causal, fa2), mode, q, k, v, dout))
+                    ms = common.time_ms(forced_step(impl, step_fn(attention_fn(impl, causal, fa2), mode, q, k, v, dout)))
                 except Exception as e:  # e.g. a head dim this build or backend lacks
                     print(f"#   {impl} {mode} failed: {type(e).__name__}: {str(e)[:160]}")
                     ms = None

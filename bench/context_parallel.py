@@ -8,6 +8,8 @@ context_parallel ring), side by side in one run:
   cp       --steps training steps (the first --warmup-steps untimed) at seqlen = chunk x n, each GPU holding `chunk`
            tokens, for every chunk of --chunks, impl of --impls and rotate method of --rotates: ms per step (the
            slowest rank's) and tokens/s per GPU
+  overlap  after each cp measurement, one more step profiled (rank 0): the ms of NCCL kernels, the share of them
+           that ran while a computing kernel ran (communication hidden), the attention kernels' ms, the GPU's busy ms
   single   one GPU without context parallelism, at seqlen = chunk (the same tokens per GPU: the weak-scaling
            reference) and at the whole seqlen where it fits (the strong-scaling reference); the ranks share these runs
   scaling  per chunk and impl: cp tokens/s per GPU over single's at the same chunk, and over single's at the whole
@@ -53,8 +55,47 @@ def config(args, **changes) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), **changes})
 
 
+def union(intervals):
+    """The disjoint union of (start, end) intervals, sorted."""
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def covered(a, b) -> float:
+    """The length of the intersection of two disjoint unions."""
+    total, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            total += min(end, b[k][1]) - max(start, b[k][0])
+            k += 1
+    return total
+
+
+def overlap(kernels) -> dict:
+    """From (name, start_us, end_us) of one step's GPU kernels: ms of communication (NCCL kernels), of it the ms that
+    ran while a computing kernel ran too (hidden under the computation), the attention kernels' ms, and the ms the
+    GPU was busy with anything."""
+    comm = union((s, e) for n, s, e in kernels if "nccl" in n.lower())
+    compute = union((s, e) for n, s, e in kernels if "nccl" not in n.lower())
+    attention = union((s, e) for n, s, e in kernels if ATTENTION_KERNELS.search(n) and "nccl" not in n.lower())
+    length = lambda u: sum(e - s for s, e in u) / 1e3  # noqa: E731
+    comm_ms = length(comm)
+    return {"comm_ms": comm_ms, "comm_hidden_ms": covered(comm, compute) / 1e3, "attention_ms": length(attention),
+            "busy_ms": length(union(comm + compute)),
+            "comm_hidden": covered(comm, compute) / 1e3 / comm_ms if comm_ms else None}
+
+
 def attention_kernels(args, mesh, data, vocab) -> dict:
-    """{kernel name: launches per step} of the attention kernels in one profiled cp training step."""
+    """{"kernels": {kernel name: launches per step} of the attention kernels, **overlap(...)} of one profiled cp
+    training step (after one unprofiled one)."""
     from torch.profiler import ProfilerActivity, profile
 
     with train_gpt.sdpa_backends(train_gpt_cp.BACKENDS[args.attn]), \
@@ -68,8 +109,11 @@ def attention_kernels(args, mesh, data, vocab) -> dict:
             torch.cuda.synchronize()
     del trainer
     free_memory()
-    return {e.key[:160]: e.count for e in prof.key_averages()
-            if e.self_device_time_total > 0 and ATTENTION_KERNELS.search(e.key) and not OPS.match(e.key)}
+    names = {e.key[:160]: e.count for e in prof.key_averages()
+             if e.self_device_time_total > 0 and ATTENTION_KERNELS.search(e.key) and not OPS.match(e.key)}
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and not OPS.match(e.name)]
+    return {"kernels": names, **overlap(kernels)}
 
 
 class Run:
@@ -117,6 +161,11 @@ def measure_cp(run, data, vocab):
                 free_memory()
                 run.write(impl=impl, mode="cp", seqlen=seqlen, chunk=chunk, rotate=rotate, ngpus=run.n,
                           ms=r and r["ms_per_step"], tokens_per_s=r and r["tokens_per_s_per_gpu"], error=error)
+                if r is not None and a.overlap:  # one more step, profiled: how much of the ring's traffic hides
+                    stats = attention_kernels(cfg, run.mesh, data, vocab)
+                    stats.pop("kernels")
+                    run.write(impl=impl, mode="overlap", seqlen=seqlen, chunk=chunk, rotate=rotate, ngpus=run.n,
+                              **stats)
 
 
 def measure_single(run, data, vocab):
@@ -197,6 +246,10 @@ def summarize(run):
         if r["mode"] == "loss":
             print(f"{r['impl']:10} loss over {r['steps']} steps at {r['seqlen']}: sharded {r['loss_sharded'][-1]:.4f}, "
                   f"unsharded {r['loss_unsharded'][-1]:.4f}, max |difference| {r['max_abs_diff']:.4f}")
+        if r["mode"] == "overlap":
+            print(f"{r['impl']:10} {r['rotate']:9} chunk {r['chunk']:6d}: communication {r['comm_ms']:.1f} ms, "
+                  f"{fmt(r['comm_hidden'] and 100 * r['comm_hidden'], '.0f')}% of it under computation; attention "
+                  f"kernels {r['attention_ms']:.1f} ms; GPU busy {r['busy_ms']:.1f} ms (rank 0, one profiled step)")
         if r["mode"] == "kernels":
             print(f"{r['impl']:10} attention kernels per step: " + "; ".join(f"{c}x {n[:90]}" for n, c in r["kernels"].items()))
 
@@ -212,6 +265,8 @@ def main(argv=None) -> int:
                    default=["allgather", "alltoall"])
     p.add_argument("--steps", type=int, default=5, help="training steps per measurement")
     p.add_argument("--warmup-steps", type=int, default=2, help="of which untimed")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="skip the profiled step after each cp measurement (communication hidden under computation)")
     p.add_argument("--loss-seqlen", type=int, default=16384)
     p.add_argument("--loss-steps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=75.0,
@@ -229,9 +284,9 @@ def main(argv=None) -> int:
         print(common.header("context_parallel", train_gpt.fa2) + f", {run.n} GPUs", flush=True)
 
     for impl in args.impls:  # also warms each impl's path up
-        kernels = attention_kernels(config(args, attn=impl, seqlen=args.chunks[0] * run.n, rotate=args.rotates[0]),
-                                    mesh, data, vocab)
-        run.write(impl=impl, mode="kernels", seqlen=args.chunks[0] * run.n, ngpus=run.n, kernels=kernels)
+        profiled = attention_kernels(config(args, attn=impl, seqlen=args.chunks[0] * run.n, rotate=args.rotates[0]),
+                                     mesh, data, vocab)
+        run.write(impl=impl, mode="kernels", seqlen=args.chunks[0] * run.n, ngpus=run.n, kernels=profiled["kernels"])
     measure_cp(run, data, vocab)
     measure_single(run, data, vocab)
     measure_loss(run, data, vocab)

@@ -2,8 +2,12 @@
 head dims 64, 128 and 256, full or causal, MHA/GQA/MQA, any lengths) on an sm90 device whose build has it, and the
 plan falls back to the mma.sync family everywhere else; either way the result meets the fp64 reference rule. The
 kernel names in a profile say which family ran. CPU (record mode): the plan's family."""
+import functools
+import threading
+
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import fa2
 from fa2 import ops
@@ -60,6 +64,32 @@ def test_the_family_that_runs_is_the_one_planned(d, launch_overrides):
     state = torch.tensor([1, 2], device="cuda")
     names = kernel_names(lambda: fa2.fwd(q, k, v, dropout_p=0.1, rng_state=state))
     assert any("sm90" in n for n in names) == hopper_expected(), names  # dropout: served
+
+
+THREAD_SHAPES = [(100, 8), (65, 65), (128, 1), (200, 1), (300, 16), (113, 203)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq,sk", THREAD_SHAPES, ids=["{}x{}".format(*s) for s in THREAD_SHAPES])
+def test_the_forward_off_the_main_thread_and_under_checkpoint(sq, sk, launch_overrides):
+    """The TMA descriptors are built on the calling thread: off the main thread (a worker's thread, autograd's, which
+    runs a checkpointed forward again in the backward) the Hopper forward gives the main thread's results, bitwise.
+    The draft Hopper backward failed to encode its descriptors at some of these lengths when autograd's thread called
+    it, and passed from the main thread (docs/log.md, session 18)."""
+    launch_overrides(family="sm90")
+    q, k, v = (randn(2, s, 4, 128).requires_grad_() for s in (sq, sk, sk))
+    want, want_lse = fa2.fwd(q, k, v)
+    got = {}
+    worker = threading.Thread(target=lambda: got.update(zip(("out", "lse"), fa2.fwd(q, k, v))))
+    worker.start()
+    worker.join()
+    assert torch.equal(got["out"], want) and torch.equal(got["lse"], want_lse)
+    dout = torch.randn_like(want)
+    attend = functools.partial(fa2.attention, deterministic=True)  # bitwise repeatable gradients
+    plain = torch.autograd.grad(attend(q, k, v), (q, k, v), dout)
+    recomputed = torch.autograd.grad(checkpoint(attend, q, k, v, use_reentrant=False), (q, k, v), dout)
+    for name, a, b in zip("qkv", recomputed, plain):
+        assert torch.equal(a, b), f"d{name} under checkpoint differs from the plain call's"
 
 
 @pytest.mark.gpu
