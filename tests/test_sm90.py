@@ -72,13 +72,14 @@ THREAD_SHAPES = [(100, 8), (65, 65), (128, 1), (200, 1), (300, 16), (113, 203)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("sq,sk", THREAD_SHAPES, ids=["{}x{}".format(*s) for s in THREAD_SHAPES])
 def test_the_forward_off_the_main_thread_and_under_checkpoint(sq, sk, launch_overrides):
-    """The TMA descriptors are built on the calling thread: off the main thread (a worker's thread, autograd's, which
-    runs a checkpointed forward again in the backward) the Hopper forward gives the main thread's results, bitwise.
-    The draft Hopper backward failed to encode its descriptors at some of these lengths when autograd's thread called
-    it, and passed from the main thread (docs/log.md, session 18)."""
+    """The driver encodes the TMA descriptors on the calling thread, which needs a current context: off the main
+    thread (a user's thread; autograd's, which runs a checkpointed forward again in the backward), with every tensor
+    served by the caching allocator, the Hopper forward gives the main thread's results, bitwise
+    (common/launch.h: bind_context). Lengths from the draft Hopper backward's failures on autograd's thread."""
     launch_overrides(family="sm90")
     q, k, v = (randn(2, s, 4, 128).requires_grad_() for s in (sq, sk, sk))
     want, want_lse = fa2.fwd(q, k, v)
+    fa2.fwd(q, k, v)  # freed at once: the worker's out and lse come from the allocator's cache, with no cudaMalloc
     got = {}
     worker = threading.Thread(target=lambda: got.update(zip(("out", "lse"), fa2.fwd(q, k, v))))
     worker.start()

@@ -23,6 +23,20 @@ inline void check_cuda(cudaError_t err, const char* what) {
 
 inline constexpr int ceil_div_host(int a, int b) { return (a + b - 1) / b; }
 
+// TMA descriptors are encoded by the driver (cuTensorMapEncodeTiled), which needs a context current on the calling
+// thread, and a thread gets one from the first runtime call that needs it. A thread whose CUDA work so far came from
+// PyTorch's caching allocator (autograd's worker, a checkpointed forward run again, a user's thread) may have none:
+// the encode then fails. cudaFree(nullptr) binds the current device's primary context; once per thread and device.
+inline void bind_context() {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  thread_local uint64_t bound = 0;
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+  if (bound & bit) return;
+  check_cuda(cudaFree(nullptr), "binding the device's context to this thread");
+  bound |= bit;
+}
+
 // Opt a kernel into more than 48 KB of dynamic shared memory. The attribute sticks per device, and setting it
 // is a driver call that costs host time on every launch, so it is set once per (kernel, device).
 template <auto kKernel>

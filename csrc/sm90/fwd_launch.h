@@ -27,6 +27,7 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
       p.tile_counter == nullptr) {
     throw std::logic_error("fa2: a forward plan the Hopper family does not serve (host/plan.cpp)");
   }
+  bind_context();  // before the driver encodes the TMA descriptors
   FwdKernelParams<Traits> k;
   // q, k, v and o as TMA sees them, (rows, head dim, heads, batch) with the caller's strides, V as (head dim, keys,
   // heads, batch) for P V's operand. A padded batch: rows = seqlen, batch entries as they are. Packed sequences
