@@ -26,14 +26,16 @@ inline constexpr int ceil_div_host(int a, int b) { return (a + b - 1) / b; }
 // TMA descriptors are encoded by the driver (cuTensorMapEncodeTiled), which needs a context current on the calling
 // thread, and a thread gets one from the first runtime call that needs it. A thread whose CUDA work so far came from
 // PyTorch's caching allocator (autograd's worker, a checkpointed forward run again, a user's thread) may have none:
-// the encode then fails. cudaFree(nullptr) binds the current device's primary context; once per thread and device.
+// the encode then fails. cudaSetDevice makes the device's primary context current at once (CUDA 12+; PyTorch skips
+// it when the device is already the current one). Once per thread and device; not a stream operation, so a CUDA
+// graph capture is not disturbed (cudaFree(nullptr), the older idiom, would be refused inside one).
 inline void bind_context() {
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   thread_local uint64_t bound = 0;
   const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
   if (bound & bit) return;
-  check_cuda(cudaFree(nullptr), "binding the device's context to this thread");
+  check_cuda(cudaSetDevice(device), "binding the device's context to this thread");
   bound |= bit;
 }
 
