@@ -28,7 +28,7 @@ inline constexpr int ceil_div_host(int a, int b) { return (a + b - 1) / b; }
 // PyTorch's caching allocator (autograd's worker, a checkpointed forward run again, a user's thread) may have none:
 // the encode then fails. cudaSetDevice makes the device's primary context current at once (CUDA 12+; PyTorch skips
 // it when the device is already the current one). Once per thread and device; not a stream operation, so a CUDA
-// graph capture is not disturbed (cudaFree(nullptr), the older idiom, would be refused inside one).
+// graph capture is not disturbed (cudaFree(nullptr), the older idiom, is a call that a capture may refuse).
 inline void bind_context() {
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
