@@ -121,6 +121,13 @@ def load_text(path: str | None) -> str:
     return "\n".join(f.read_text(encoding="utf-8") for f in files)
 
 
+def encode(text: str, device) -> tuple[torch.Tensor, int]:
+    """The text as character ids on the device, and the vocabulary size."""
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    return torch.tensor([index[c] for c in text], dtype=torch.long, device=device), len(chars)
+
+
 def batches(data: torch.Tensor, batch: int, seqlen: int, seed: int):
     """Random windows of seqlen + 1 characters, in an order fixed by the seed (the same for every run). The
     text lives on the device, so a batch is one gather there: no host-to-device copy, no sync per step."""
@@ -200,41 +207,46 @@ def plot(results: dict, path: pathlib.Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--attn", choices=[*ATTENTION, *RUNS], default="both",
-                   help="both: fa2 and sdpa; all: fa2, sdpa, sdpa_flash and sdpa_fa2")
+def model_arguments(p: argparse.ArgumentParser, *, batch: int, device_help: str) -> argparse.ArgumentParser:
+    """The model's and the optimizer's options (examples/train_gpt_cp.py and bench/context_parallel.py take them
+    too)."""
     p.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--warmup-steps", type=int, default=20, help="first steps left out of tokens/s (compilation)")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seqlen", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=batch)
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--nheads", type=int, default=6)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--val-batches", type=int, default=10)
     p.add_argument("--data", help="a UTF-8 text file (default: this repository's docs and source)")
-    p.add_argument("--device", default="cuda", help="fa2 needs cuda; sdpa also runs on cpu (a smoke test)")
+    p.add_argument("--device", default="cuda", help=device_help)
+    return p
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--attn", choices=[*ATTENTION, *RUNS], default="both",
+                   help="both: fa2 and sdpa; all: fa2, sdpa, sdpa_flash and sdpa_fa2")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup-steps", type=int, default=20, help="first steps left out of tokens/s (compilation)")
+    p.add_argument("--seqlen", type=int, default=1024)
+    p.add_argument("--val-batches", type=int, default=10)
     p.add_argument("--out", default="runs/train_gpt", help="directory for train_gpt.json and train_gpt.png")
+    model_arguments(p, batch=16, device_help="fa2 needs cuda; sdpa also runs on cpu (a smoke test)")
     args = p.parse_args(argv)
     if not 0 <= args.warmup_steps < args.steps:
         p.error("--warmup-steps must be in [0, --steps)")
 
     text = load_text(args.data)
-    chars = sorted(set(text))
-    index = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([index[c] for c in text], dtype=torch.long, device=args.device)
+    data, vocab = encode(text, args.device)
     split = int(0.9 * len(data))  # the last tenth for validation
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    print(f"{len(text):,} characters, vocabulary {len(chars)}; {args.steps} steps of {args.batch} x {args.seqlen} "
+    print(f"{len(text):,} characters, vocabulary {vocab}; {args.steps} steps of {args.batch} x {args.seqlen} "
           f"tokens on {device}")
 
     results = {}
     for attention in RUNS.get(args.attn, [args.attn]):
         with sdpa_backends(attention):
-            results[attention] = r = train(attention, args, data[:split], data[split:], len(chars))
+            results[attention] = r = train(attention, args, data[:split], data[split:], vocab)
         print(f"{attention}: {r['tokens_per_s']:,.0f} tokens/s, final train loss {r['loss'][-1]:.4f}, "
               f"val loss {r['val_loss']:.4f}")
     for other in results.keys() - {"fa2"} if "fa2" in results else ():
@@ -243,7 +255,7 @@ def main(argv=None) -> dict:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {"args": vars(args), "device": device, "torch": torch.__version__, "characters": len(text),
-              "vocab": len(chars), "results": results}
+              "vocab": vocab, "results": results}
     (out / "train_gpt.json").write_text(json.dumps(record, indent=1))
     plot(results, out / "train_gpt.png")
     print(f"wrote {out / 'train_gpt.json'} and {out / 'train_gpt.png'}")

@@ -104,11 +104,8 @@ class Trainer:
 
 def load_data(data_path=None, device="cuda"):
     """The training text on the device (train_gpt.py's split) and the vocabulary size."""
-    text = train_gpt.load_text(data_path)
-    chars = sorted(set(text))
-    index = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([index[c] for c in text], dtype=torch.long, device=device)
-    return data[:int(0.9 * len(data))], len(chars)
+    data, vocab = train_gpt.encode(train_gpt.load_text(data_path), device)
+    return data[:int(0.9 * len(data))], vocab
 
 
 def elapsed_max(seconds: float, mesh) -> float:
@@ -147,17 +144,9 @@ def train(args, mesh, train_data, vocab: int) -> dict:
 
 
 def model_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The model's and the optimizer's options (bench/context_parallel.py takes them too)."""
-    p.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dim", type=int, default=384)
-    p.add_argument("--nheads", type=int, default=6)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", help="a UTF-8 text file (default: this repository's docs and source)")
-    p.add_argument("--device", default="cuda", help="cpu: an unsharded smoke test with --attn sdpa")
-    return p
+    """train_gpt.py's model and optimizer options, one long sequence per step (bench/context_parallel.py takes them
+    too)."""
+    return train_gpt.model_arguments(p, batch=1, device_help="cpu: an unsharded smoke test with --attn sdpa")
 
 
 def parser() -> argparse.ArgumentParser:
