@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cute/tensor.hpp>
 
+#include "common/row_end.h"
 #include "sm80/utils.h"
 
 namespace fa2 {
@@ -111,29 +112,17 @@ struct OnlineSoftmax {
     }
   }
 
-  // O = out_scale * acc / l and lse = m*scale + log(l), scale being the factor the scores are scaled by (out_scale:
-  // dropout's 1 / (1 - p), else 1). A sink logit (nullptr: none) joins l as exp(sink) with no value; the row's max
-  // is raised to it first, so exp never overflows. Rows with l == 0 (no key and no sink) give O = 0, lse = -inf.
+  // O = acc / l (times dropout's out_scale) and each row's lse (common/row_end.h: the sink, empty rows).
   template <typename TensorO>
   __device__ __forceinline__ void finalize(TensorO& acc_o, float scale, const float* sink, float out_scale,
                                            float (&lse)[kNRows]) {
     Tensor o = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
-      float l = quad_sum(row_sum[mi]);
-      float m = row_max[mi] == -INFINITY ? -INFINITY : row_max[mi] * scale;  // natural-log units
-      float o_factor = 1.f;  // what acc_o's rows are multiplied by before 1 / l
-      if (sink != nullptr) {
-        const float m_new = fmaxf(m, *sink);
-        o_factor = m == -INFINITY ? 0.f : __expf(m - m_new);
-        l = l * o_factor + __expf(*sink - m_new);
-        m = m_new;
-      }
-      const bool empty = l == 0.f || l != l;
-      const float inv_l = empty ? 1.f : o_factor * out_scale / l;
-      lse[mi] = empty ? -INFINITY : m + __logf(l);
+      const RowEnd end = row_end(row_max[mi], quad_sum(row_sum[mi]), scale, sink, out_scale);
+      lse[mi] = end.lse;
       CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(o); ++ni) o(mi, ni) *= inv_l;
+      for (int ni = 0; ni < size<1>(o); ++ni) o(mi, ni) *= end.o_scale;
     }
   }
 };

@@ -6,6 +6,8 @@
 
 #include <cute/tensor.hpp>
 
+#include "common/row_end.h"
+
 namespace fa2::sm90 {
 using namespace cute;
 
@@ -66,29 +68,16 @@ struct OnlineSoftmax {
     }
   }
 
-  // Normalises acc_o (times out_scale: dropout's 1 / (1 - p), else 1) and returns each row's lse = m * scale + log(l)
-  // (natural log; scale: what the scores are scaled by). A sink logit (nullptr: none) joins l as exp(sink) with no
-  // value, the row's max raised to it first so that nothing overflows. Rows with l == 0 (no visible key and no sink):
-  // O = 0, lse = -inf.
+  // Normalises acc_o and returns each row's lse (common/row_end.h: the sink, dropout's out_scale, empty rows).
   template <class TensorO>
   __device__ __forceinline__ void finalize(TensorO& acc_o, float scale, const float* sink, float out_scale,
                                            float (&lse)[kRows]) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float sum = quad_sum(l[r]);
-      float row_max = m[r] == -INFINITY ? -INFINITY : m[r] * scale;  // natural-log units
-      float o_factor = 1.f;  // what acc_o's rows are multiplied by before 1 / sum
-      if (sink != nullptr) {
-        const float raised = fmaxf(row_max, *sink);
-        o_factor = row_max == -INFINITY ? 0.f : __expf(row_max - raised);
-        sum = sum * o_factor + __expf(*sink - raised);
-        row_max = raised;
-      }
-      const bool empty = sum == 0.f || sum != sum;
-      const float inv = empty ? 0.f : o_factor * out_scale / sum;
-      lse[r] = empty ? -INFINITY : row_max + __logf(sum);
+      const RowEnd end = row_end(m[r], quad_sum(l[r]), scale, sink, out_scale);
+      lse[r] = end.lse;
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(acc_o); ++c) acc_o(r, c) *= inv;
+      for (int c = 0; c < size<1>(acc_o); ++c) acc_o(r, c) *= end.o_scale;
     }
   }
 };
