@@ -1,7 +1,8 @@
 // The Hopper backward (fa2.reference.flash_bwd_tiled's inner loop, KV-stationary), warp-specialized: one CTA per
 // (key block, head, batch). Warp 0 of warpgroup 0 loads K and V once and streams Q and dO of every query block that
 // sees those keys through two-stage TMA rings; warpgroups 1 and 2 own 64 keys each, keep dK and dV in registers for
-// the whole stream, and add each query block's dQ into the fp32 dq_accum with atomics.   docs/tuning.md#sm90-backward
+// the whole stream, and add each query block's dQ into the fp32 dq_accum with atomics.
+//                                                                                docs/tuning.md#sm90-backward-draft
 //
 // Names: g* global tiles, s* shared (s*t: the transposed view of the same bytes), t*r* register fragments partitioned
 // by an MMA (tSr: of S^T = K Q^T, tdPr: of dP^T = V dO^T, tdVr / tdKr: of dV, dK, tdQr: of dQ = dS K); m: a query

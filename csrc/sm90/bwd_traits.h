@@ -1,6 +1,6 @@
 // What a Hopper backward tile's numbers (config.h: bwd_tile) imply: the five warpgroup MMAs, the shared-memory layouts
 // they read (and the transposed views of the same bytes), the TMA loads, the pipelines and the shared storage. The
-// kernel (bwd_kernel.h) is generic over these.                                        docs/tuning.md#sm90-backward
+// kernel (bwd_kernel.h) is generic over these.                                      docs/tuning.md#sm90-backward-draft
 #pragma once
 
 #include <type_traits>
@@ -54,7 +54,8 @@ struct BwdTraits {
   // per-warpgroup N), so each transposed view is a whole number of swizzle atoms, which wgmma needs.
   template <GMMA::Major kMajor, int kMN, int kK>
   using SmemAtom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<kMajor, Element, Int<kMN>, Int<kK>>());
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockM, kHeadDim>{}, Shape<M, D, Int<kStages>>{}));
+  using SmemLayoutQ =
+      decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockM, kHeadDim>{}, Shape<M, D, Int<kStages>>{}));
   using SmemLayoutdO = SmemLayoutQ;
   using SmemLayoutK =
       decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockN, kHeadDim / kBwdMmaWarpgroups>{}, Shape<N, D>{}));
@@ -63,12 +64,12 @@ struct BwdTraits {
   using SmemLayoutdS = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockM, kBlockN / kBwdMmaWarpgroups>{},
                                               Shape<M, N, Int<kStages>>{}, Step<_1, _2, _3>{}));
   // Transposed views, Xt(c, r, s) = X(r, c, s): a composition with the (cols, rows) -> row + rows * col layout.
-  using SmemLayoutQt =
-      decltype(composition(SmemLayoutQ{}, make_layout(Shape<D, M, Int<kStages>>{}, Stride<M, _1, Int<kBlockM * kHeadDim>>{})));
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_layout(Shape<D, M, Int<kStages>>{}, Stride<M, _1, Int<kBlockM * kHeadDim>>{})));
   using SmemLayoutdOt = SmemLayoutQt;
   using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_layout(Shape<D, N>{}, Stride<N, _1>{})));
-  using SmemLayoutdSt =
-      decltype(composition(SmemLayoutdS{}, make_layout(Shape<N, M, Int<kStages>>{}, Stride<M, _1, Int<kBlockM * kBlockN>>{})));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_layout(Shape<N, M, Int<kStages>>{}, Stride<M, _1, Int<kBlockM * kBlockN>>{})));
   // The registers hold dS^T (keys, queries) and shared memory wants dS (queries, keys): stmatrix's transposing form.
   using SmemCopyAtomdS = Copy_Atom<SM90_U16x8_STSM_T, Element>;
 

@@ -40,7 +40,7 @@ constexpr bool fwd_serves(int head_dim, int seqlen_q, bool kvcache, int /*window
   return fwd_has_tile(head_dim) && seqlen_q > 64 && !kvcache;
 }
 
-// The backward (bwd_kernel.h; docs/tuning.md#sm90-backward): compiled only with -DFA2_SM90_BWD=ON, at d128 alone,
+// The backward (bwd_kernel.h; docs/tuning.md#sm90-backward-draft): compiled only with -DFA2_SM90_BWD=ON, at d128 alone,
 // and never run on a GPU yet. One CTA per (key block, head, batch) = a producer warpgroup (TMA: K and V once, Q and dO
 // per query block through a two-stage ring each) and two MMA warpgroups of 64 keys each, which walk the query blocks
 // that see their keys: S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory, dV += P^T dO and dK += dS^T Q with
