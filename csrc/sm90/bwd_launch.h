@@ -29,6 +29,7 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
       p.alibi_slopes != nullptr || p.window_left >= 0 || p.window_right > 0) {
     throw std::logic_error("fa2: a backward plan the Hopper family does not serve (host/plan.cpp)");
   }
+  bind_context();  // before the driver encodes the TMA descriptors (autograd's thread may have no context yet)
   BwdKernelParams<Traits> k;
   // q, k, v and dout as TMA sees them: (rows, head dim, heads, batch) with the caller's strides. Rows past a
   // sequence's end arrive as zeros.
