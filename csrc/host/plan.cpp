@@ -217,9 +217,9 @@ BwdPlan plan_backward(BwdParams& p, DType dtype, int head_dim, const DeviceInfo&
   plan.head_dim = head_dim;
   plan.dtype = dtype;
   plan.family = backward_family(p, dtype, head_dim, device);
-  if (plan.family == Family::kSm90) {  // one tile, its own order (sm90/bwd_launch.h)
+  if (plan.family == Family::kSm90) {  // one tile; one CTA per SM, causal key blocks heaviest first in head groups
     plan.shape = sm90::bwd_tile(plan.head_dim);
-    p.head_group = plan.head_group = 0;
+    p.head_group = plan.head_group = head_group(p, device.sm_count, ceil_div_host(p.seqlen_k, plan.shape.block_n));
     return plan;
   }
   plan.tile = bwd_tile_for(plan.head_dim, device.smem_limit, device.code_arch >= 90);

@@ -46,7 +46,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
   const int warp = cutlass::canonical_warp_idx_sync();
   const int warpgroup = cutlass::canonical_warp_group_idx();
-  const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.head_group_kv;
+  // Causal: key block 0 (seen by every query) is the heaviest; the heaviest blocks of a group of heads go first.
+  const BlockHead work = scheduled_block</*kHeavyLast=*/false>(p.head_group);
+  const int n_block = work.block, head = work.head, batch = blockIdx.z, head_kv = head / p.head_group_kv;
   // Bottom-right aligned: query i sees key j iff j <= i + diagonal (causal). The query blocks that see a key of this
   // block are [m_begin, m_end); none (a causal block past every row's diagonal): dK = dV = 0 are still written.
   const int diagonal = p.seqlen_k - p.seqlen_q;

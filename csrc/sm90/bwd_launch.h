@@ -56,6 +56,7 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   k.seqlen_q = p.seqlen_q, k.seqlen_k = p.seqlen_k, k.nheads = p.nheads, k.head_group_kv = p.nheads / p.nheads_k;
   k.scale_log2 = p.scale_log2, k.softmax_scale = p.softmax_scale;
   k.causal = p.causal();
+  k.head_group = p.head_group;
 
   constexpr int smem = Traits::kSmemSize;
   const int limit = block_smem_limit(p);
@@ -69,7 +70,7 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   constexpr auto kernel = &bwd_kernel<Traits>;
   allow_smem<kernel>(smem, "sm90 bwd smem");
   // One CTA per (key block, head, batch), key blocks fastest: the CTAs of a head run together and share its Q and dO
-  // in L2. (Causal: FA3's heaviest-first order over heads is a later step.)
+  // in L2. Causal: heaviest first within groups of heads (the plan's head_group; the kernel maps blockIdx).
   const dim3 grid(ceil_div_host(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
   kernel<<<grid, kBwdThreads, smem, stream>>>(k);
   check_cuda(cudaGetLastError(), "sm90 bwd launch");

@@ -12,6 +12,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "common/dtype.h"
+#include "common/schedule.h"
 #include "sm90/config.h"
 
 namespace fa2::sm90 {
@@ -126,6 +127,7 @@ struct BwdKernelParams {
   float scale_log2;     // softmax_scale * log2(e)
   float softmax_scale;  // dK's scale (dQ's is the convert kernel's)
   bool causal;
+  int head_group;  // causal: key blocks go heaviest first within groups of heads (common/schedule.h); 0: grid order
 };
 
 }  // namespace fa2::sm90
