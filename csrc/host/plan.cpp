@@ -130,7 +130,9 @@ Family backward_family(const BwdParams& p, DType dtype, int head_dim, const Devi
                                        p.deterministic) &&
                       tma_strides(p.q_stride) && tma_strides(p.k_stride) && tma_strides(p.v_stride) &&
                       tma_strides(p.dout_stride) && tma_aligned(p.q) && tma_aligned(p.k) && tma_aligned(p.v) &&
-                      tma_aligned(p.dout) && sm90::bwd_smem_bytes(sm90::bwd_tile(head_dim)) <= device.smem_limit;
+                      tma_aligned(p.dout) && tma_aligned(p.lse) && tma_aligned(p.d_sum) &&
+                      int64_t(p.batch) * p.nheads * p.seqlen_q <= INT32_MAX &&  // lse and D: one flat TMA each
+                      sm90::bwd_smem_bytes(sm90::bwd_tile(head_dim)) <= device.smem_limit;
   return serves ? Family::kSm90 : Family::kSm80;
 }
 

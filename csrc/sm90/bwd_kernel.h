@@ -80,7 +80,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------------------------------ producer
-    cutlass::arch::warpgroup_reg_dealloc<24>();  // the loads need few registers; the MMA warpgroups get them
+    // The loads need few registers; the MMA warpgroups get the rest (128 x 32 + 256 x 240 = the whole 64K file).
+    // 24, FA3's, spilled 44 B here once the producer also loaded lse and D.
+    cutlass::arch::warpgroup_reg_dealloc<32>();
     if (warp != 0 || m_begin >= m_end || !cute::elect_one_sync()) return;
     Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, batch);  // (rows, d)
     Tensor mdO = p.tma_do.get_tma_tensor(p.shape_q)(_, _, head, batch);
@@ -95,18 +97,33 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
     auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    // lse and D of query block m: kBlockM floats from this head's first row on, in the flat buffers.
+    const int stats_row = (batch * p.nheads + head) * p.seqlen_q;
+    Tensor gLse = local_tile(domain_offset(make_coord(stats_row), p.tma_lse.get_tma_tensor(make_shape(p.stats_total))),
+                             Shape<M>{}, make_coord(_));  // (M, query blocks)
+    Tensor gD = local_tile(domain_offset(make_coord(stats_row), p.tma_d.get_tma_tensor(make_shape(p.stats_total))),
+                           Shape<M>{}, make_coord(_));
+    Tensor sLse = make_tensor(make_smem_ptr(shared.lse.data()), Layout<Shape<M, Int<Traits::kStages>>>{});
+    Tensor sD = make_tensor(make_smem_ptr(shared.d.data()), Layout<Shape<M, Int<Traits::kStages>>>{});
+    auto [tLgL, tLsL] =
+        tma_partition(p.tma_lse, Int<0>{}, Layout<_1>{}, group_modes<0, 1>(sLse), group_modes<0, 1>(gLse));
+    auto [tDgD, tDsD] = tma_partition(p.tma_d, Int<0>{}, Layout<_1>{}, group_modes<0, 1>(sD), group_modes<0, 1>(gD));
     shared.kv_full.arrive_and_expect_tx(Traits::kBytesKV);
     copy(p.tma_k.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tKgK, tKsK);
     copy(p.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tVgV, tVsV);
     // Every key block of the head reads the same Q and dO blocks: keep them in L2.
     auto stage = cutlass::make_producer_start_state<Pipeline>();
     for (int m = m_begin; m < m_end; ++m, ++stage) {
-      q_pipe.producer_acquire(stage);  // waits for the stage to be free, then expects its bytes
+      q_pipe.producer_acquire(stage);  // waits for the stage to be free, then expects its bytes (Q's and lse's)
       copy(p.tma_q.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, m),
            tQsQ(_, stage.index()));
-      do_pipe.producer_acquire(stage);
+      copy(p.tma_lse.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tLgL(_, m),
+           tLsL(_, stage.index()));
+      do_pipe.producer_acquire(stage);  // dO's and D's
       copy(p.tma_do.with(*do_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tdOgdO(_, m),
            tdOsdO(_, stage.index()));
+      copy(p.tma_d.with(*do_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tDgD(_, m),
+           tDsD(_, stage.index()));
     }
     auto do_stage = stage;
     q_pipe.producer_tail(stage);  // no exit while loads into this CTA's shared memory are in flight
@@ -155,8 +172,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     Tensor cdQ_rc = make_tensor(cdQ.data(), rowcol(cdQ.layout()));
     constexpr int kRows = decltype(size<0>(cS_rc))::value;  // queries per thread
     const int64_t stats_row = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
-    const float* lse_head = p.lse + stats_row;
-    const float* d_head = p.d_sum + stats_row;
     float* dq_head = p.dq_accum + stats_row * kHeadDim;
 
     shared.kv_full.wait(0);
@@ -168,13 +183,15 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<N, M>{});
       q_pipe.consumer_wait(stage);
       warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
-      // lse of this thread's queries, read while the GEMMs run. Rows past seqlen_q, and rows that saw no key in the
-      // forward (lse = -inf), get lse = +inf so that P = 0 there (sm80/bwd_tile.h does the same).
+      // lse of this thread's queries (shared memory, with Q's stage), read while the GEMMs run. Rows past seqlen_q
+      // (the box ran into the next head's, or zeros), and rows that saw no key in the forward (lse = -inf), get
+      // lse = +inf so that P = 0 there (sm80/bwd_tile.h does the same).
+      const float* lse_s = shared.lse.data() + s * kBlockM;
       float lse_log2[kRows];
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
-        const int query = query0 + get<1>(cS_rc(mi, 0));
-        const float l = query < p.seqlen_q ? lse_head[query] : INFINITY;
+        const int row = get<1>(cS_rc(mi, 0)), query = query0 + row;
+        const float l = query < p.seqlen_q ? lse_s[row] : INFINITY;
         lse_log2[mi] = l == -INFINITY ? INFINITY : l * float(M_LOG2E);
       }
       do_pipe.consumer_wait(stage);
@@ -202,12 +219,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
           }
         }
       }
-      // D of the same queries, read once lse's registers are free, while dP's GEMM runs.
+      // D of the same queries (shared memory, with dO's stage), read once lse's registers are free, while dP's GEMM
+      // runs.
+      const float* d_s = shared.d.data() + s * kBlockM;
       float d_row[kRows];
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
-        const int query = query0 + get<1>(cS_rc(mi, 0));
-        d_row[mi] = query < p.seqlen_q ? d_head[query] : 0.f;
+        const int row = get<1>(cS_rc(mi, 0)), query = query0 + row;
+        d_row[mi] = query < p.seqlen_q ? d_s[row] : 0.f;
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdPrdP);

@@ -26,7 +26,8 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   static_assert(Traits::kSmemSize <= bwd_smem_bytes(kTile), "config.h sizes the tile");
   if (plan.family != Family::kSm90 || plan.head_dim != kHeadDim || p.head_dim != kHeadDim ||
       p.cu_seqlens_q != nullptr || p.deterministic || p.rng_state != nullptr || p.softcap_in > 0.f ||
-      p.alibi_slopes != nullptr || p.window_left >= 0 || p.window_right > 0) {
+      p.alibi_slopes != nullptr || p.window_left >= 0 || p.window_right > 0 ||
+      int64_t(p.batch) * p.nheads * p.seqlen_q > INT32_MAX) {
     throw std::logic_error("fa2: a backward plan the Hopper family does not serve (host/plan.cpp)");
   }
   bind_context();  // before the driver encodes the TMA descriptors (autograd's thread may have no context yet)
@@ -49,7 +50,16 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   k.tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, typename Traits::SmemLayoutK{}, ND{}, _1{});
   k.tma_v = make_tma_copy(SM90_TMA_LOAD{}, mV, typename Traits::SmemLayoutV{}, ND{}, _1{});
   k.shape_q = mQ.shape(), k.shape_k = mK.shape();
-  k.lse = p.lse, k.d_sum = p.d_sum, k.dq_accum = p.dq_accum;
+  // lse and d_sum flat, one rank-1 TMA each (the plan checked that the length fits an int and the bases' alignment).
+  const int64_t stats_total = int64_t(p.batch) * p.nheads * p.seqlen_q;
+  auto flat = [&](const float* ptr) {
+    return make_tensor(make_gmem_ptr(ptr), make_shape(int32_t(stats_total)), Stride<_1>{});
+  };
+  using MStats = Int<Traits::kBlockM>;
+  k.tma_lse = make_tma_copy(SM90_TMA_LOAD{}, flat(p.lse), Layout<MStats>{}, MStats{}, _1{});
+  k.tma_d = make_tma_copy(SM90_TMA_LOAD{}, flat(p.d_sum), Layout<MStats>{}, MStats{}, _1{});
+  k.stats_total = int32_t(stats_total);
+  k.dq_accum = p.dq_accum;
   k.dk = p.dk, k.dv = p.dv, k.dkv_fp32 = p.dkv_fp32;
   k.dk_row_stride = p.dk_stride.row, k.dk_head_stride = p.dk_stride.head, k.dk_batch_stride = p.dk_stride.batch;
   k.dv_row_stride = p.dv_stride.row, k.dv_head_stride = p.dv_stride.head, k.dv_batch_stride = p.dv_stride.batch;

@@ -85,8 +85,17 @@ struct BwdTraits {
   using TmaQ = TmaLoad<decltype(take<0, 2>(SmemLayoutQ{})), Shape<M, D>>;  // also dO's
   using TmaK = TmaLoad<SmemLayoutK, Shape<N, D>>;
   using TmaV = TmaLoad<SmemLayoutV, Shape<N, D>>;
-  // A TMA load completes its whole box (rows past the tensor arrive as zeros): these are the bytes to expect.
-  static constexpr uint32_t kBytesQ = size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element);
+  // lse and D of a query block, kBlockM floats each, by a rank-1 TMA over the whole flat (batch, heads, seqlen_q)
+  // buffer: a box starts at any element, so fa2's unpadded statistics need no padded copy. A box running past a
+  // head's rows reads the next head's (the MMA warps mask those rows) or, past the buffer, zeros.
+  using ShapeStats = Shape<int32_t>;
+  using TmaStats = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                          make_tensor(make_gmem_ptr(static_cast<float const*>(nullptr)), ShapeStats{},
+                                                      Stride<_1>{}),
+                                          Layout<M>{}, M{}, _1{}));
+  // A TMA load completes its whole box (rows past the tensor arrive as zeros): these are the bytes to expect, Q's
+  // (or dO's) tile and lse's (or D's) block on the same barrier.
+  static constexpr uint32_t kBytesQ = size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element) + kBlockM * sizeof(float);
   static constexpr uint32_t kBytesKV = 2 * size(SmemLayoutK{}) * sizeof(Element);
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;  // Q and dO each, advanced together
@@ -100,6 +109,8 @@ struct BwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdO>, 1024> dO;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdS>, 1024> dS;
+    cute::array_aligned<float, kBlockM * kStages, 128> lse;  // (kBlockM, stages), with q's stages
+    cute::array_aligned<float, kBlockM * kStages, 128> d;    // (kBlockM, stages), with dO's stages
     alignas(16) cutlass::arch::ClusterTransactionBarrier kv_full;  // K and V landed
     alignas(16) typename Pipeline::SharedStorage q_pipe;
     alignas(16) typename Pipeline::SharedStorage do_pipe;
@@ -114,9 +125,10 @@ struct BwdKernelParams {
   typename Traits::TmaQ tma_q, tma_do;
   typename Traits::TmaK tma_k;
   typename Traits::TmaV tma_v;
+  typename Traits::TmaStats tma_lse, tma_d;  // over lse and d_sum, flat
   typename Traits::ShapeQKV shape_q, shape_k;  // (seqlen, head dim, heads, batch); shape_k's heads are nheads_k
-  const float* lse;    // (batch, nheads, seqlen_q), natural log; -inf: the row saw no key
-  const float* d_sum;  // D = rowsum(dO * O), laid out like lse (the preprocess writes it)
+  int32_t stats_total;  // batch * nheads * seqlen_q: lse's and d_sum's length (lse: natural log, -inf: no key seen;
+                        // d_sum: D = rowsum(dO * O), which the preprocess writes)
   float* dq_accum;     // (batch, nheads, seqlen_q, head dim) fp32, zeroed by the preprocess; unscaled dS K
   void* dk;            // (batch, seqlen_k, nheads, head dim): one slice per query head, Element or fp32 (dkv_fp32)
   void* dv;
