@@ -119,3 +119,17 @@ def test_the_plan_sends_the_hopper_backward_only_what_it_serves(options, served,
         assert launch["plan"]["shape"][1:3] == (64, 128)  # sm90/config.h: bwd_tile(128)
         # Causal: heaviest key blocks first within head groups (record mode plans groups of 1); else the grid order.
         assert launch["plan"]["head_group"] == (1 if options.get("causal") else 0), launch["plan"]
+
+
+def test_an_lse_not_on_a_16_byte_boundary_goes_to_the_mma_sync_backward(launch_overrides, recording, require_kernel):
+    """CPU: the Hopper backward loads lse and D by TMA, whose base must be 16-byte aligned; an lse that is a view
+    starting one float into its storage is served, by the mma.sync backward."""
+    require_kernel("bwd", 128, torch.bfloat16)
+    built = sm90_bwd_built()
+    launch_overrides(record=True, family="sm90")
+    q, k, v = (torch.randn(1, 256, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+    for offset, expected in ((0, "sm90" if built else "sm80"), (1, "sm80")):
+        lse = torch.zeros(4 * 256 + offset)[offset:].view(1, 4, 256)
+        fa2.bwd(torch.randn_like(q), q, k, v, torch.randn_like(q), lse)
+        kind, launch = recording.calls[-1]
+        assert kind == "bwd" and launch["plan"]["family"] == expected, (offset, launch["plan"])
