@@ -1,7 +1,8 @@
 // The Hopper backward (fa2.reference.flash_bwd_tiled's inner loop, KV-stationary), warp-specialized: one CTA per
-// (key block, head, batch). Warp 0 of warpgroup 0 loads K and V once and streams Q and dO of every query block that
-// sees those keys through two-stage TMA rings; warpgroups 1 and 2 own 64 keys each, keep dK and dV in registers for
-// the whole stream, and add each query block's dQ into the fp32 dq_accum with atomics.
+// (key block, head, batch). Warp 0 of warpgroup 0 loads K and V once and streams Q and dO (with lse and D) of every
+// query block that sees those keys through two-stage TMA rings; warpgroups 1 and 2 own 64 keys each, keep dK and dV in
+// registers for the whole stream, and stage each query block's dQ share in shared memory, which warp 1 of warpgroup 0
+// adds into the fp32 dq_accum by TMA reduce-add.
 //                                                                                docs/tuning.md#sm90-backward-draft
 //
 // Names: g* global tiles, s* shared (s*t: the transposed view of the same bytes), t*r* register fragments partitioned
@@ -32,6 +33,10 @@ __device__ __forceinline__ auto rowcol_t(Layout const& l) {
 // The MMA warpgroups' named barrier: dS complete in shared memory (each warpgroup wrote its 64 keys; dQ = dS K reads
 // all of them). Id 0 past CUTLASS's reserved ones.
 constexpr int kdSBarrier = 0;
+// dQ's staging slab of MMA warpgroup w (ids + w): empty (the writer's reduce has read it; the MMA warpgroup waits) and
+// full (the MMA warpgroup wrote it; the writer waits). 128 MMA threads and the writer warp's 32 each.
+constexpr int kdQEmpty = 1, kdQFull = 1 + kBwdMmaWarpgroups;
+constexpr int kdQThreads = kWarpgroupThreads + 32;
 
 template <class Traits>
 __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT BwdKernelParams<Traits> const p) {
@@ -60,6 +65,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_dq.get_tma_descriptor());
     shared.kv_full.init(1);
   }
   // Q and dO have a ring each: a stage is released once the last GEMM that reads it has retired (dO after dV's and
@@ -83,6 +89,38 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     // The loads need few registers; the MMA warpgroups get the rest (128 x 32 + 256 x 240 = the whole 64K file).
     // 24, FA3's, spilled 44 B here once the producer also loaded lse and D.
     cutlass::arch::warpgroup_reg_dealloc<32>();
+    if (warp == 1 && m_begin < m_end) {
+      // ---------------------------------------------------------------------------------------- dQ writer
+      // Each query block's dQ share, staged by the MMA warpgroups, reduced into dq_accum by TMA (two boxes per
+      // slab; rows past seqlen_q are clipped), so the MMA warps issue no atomics. One lane issues and waits: bulk
+      // groups are per-thread state.
+      const bool leader = cute::elect_one_sync();
+      Tensor mdQ = p.tma_dq.get_tma_tensor(p.shape_q)(_, _, head, batch);                    // (rows, d)
+      Tensor gdQ = local_tile(mdQ, typename Traits::dQSlab{}, make_coord(_, _));           // (M, d/2, m, w)
+      for (int m = m_begin; m < m_end; ++m) {
+        CUTE_UNROLL
+        for (int w = 0; w < kBwdMmaWarpgroups; ++w) {
+          Tensor sdQw = make_tensor(make_smem_ptr(shared.dq.data() + w * cosize(typename Traits::SmemLayoutdQSlab{})),
+                                    typename Traits::SmemLayoutdQSlab{});
+          auto [tdQg, tdQs] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQw),
+                                            group_modes<0, 2>(gdQ(_, _, m, w)));
+          cutlass::arch::NamedBarrier::sync(kdQThreads, kdQFull + w);
+          if (leader) {
+            copy(p.tma_dq, tdQs, tdQg);
+            tma_store_arrive();
+          }
+        }
+        // A slab is free again once its reduce has read it; the MMA warpgroup's first wait was met by its own arrive,
+        // so the writer's last block arrives nowhere (no barrier is left half-arrived at exit).
+        if (leader) tma_store_wait<1>();
+        __syncwarp();
+        if (m + 1 < m_end) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty);
+        if (leader) tma_store_wait<0>();
+        __syncwarp();
+        if (m + 1 < m_end) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + 1);
+      }
+      return;
+    }
     if (warp != 0 || m_begin >= m_end || !cute::elect_one_sync()) return;
     Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, batch);  // (rows, d)
     Tensor mdO = p.tma_do.get_tma_tensor(p.shape_q)(_, _, head, batch);
@@ -161,6 +199,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
     Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
     Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
+    // dQ's registers -> this warpgroup's staging slab (64-bit stores; the swizzle keeps them free of bank conflicts).
+    Tensor sdQ = make_tensor(make_smem_ptr(shared.dq.data()), typename Traits::SmemLayoutdQ{});  // (M, d)
+    auto r2s_dq = make_tiled_copy_C(Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<64>, float>{}, mma_dq);
+    auto thr_r2s_dq = r2s_dq.get_thread_slice(tid);
+    Tensor tdQsdQ = thr_r2s_dq.partition_D(as_position_independent_swizzle_tensor(sdQ));
+    const int mma_warpgroup = warpgroup - 1;
+    // Stands in for the writer's first "empty": the slab starts free.
+    if (warp % 4 == 0) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + mma_warpgroup);
     // dS^T registers -> sdS through the transposed view (stmatrix.trans).
     auto r2s_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma_sdp);
     auto thr_r2s_ds = r2s_ds.get_thread_slice(tid);
@@ -168,11 +214,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     // The (query, key) of each S^T register as (rows = queries, cols = keys), and the (query, column) of each dQ one.
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<N, M>{}));
     Tensor cS_rc = make_tensor(cS.data(), rowcol_t(cS.layout()));
-    Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<M, D>{}));
-    Tensor cdQ_rc = make_tensor(cdQ.data(), rowcol(cdQ.layout()));
     constexpr int kRows = decltype(size<0>(cS_rc))::value;  // queries per thread
-    const int64_t stats_row = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
-    float* dq_head = p.dq_accum + stats_row * kHeadDim;
 
     shared.kv_full.wait(0);
     typename Traits::PipelineState stage;
@@ -258,19 +300,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       Tensor tdKrdS = make_tensor(rdS.data(), as_operand_a(tdPrdP.layout()));
       warpgroup_gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, s), tdKrdK);
       warpgroup_fence_operand(tdQrdQ);
-      // This key block's share of dQ into dq_accum (row-major, as the mma.sync family's: its convert kernel scales and
-      // rounds it), two adjacent columns per vector atomic, while dK's GEMM runs.
-      Tensor dq = make_tensor(tdQrdQ.data(), rowcol(tdQrdQ.layout()));  // (queries, columns)
-      CUTE_UNROLL
-      for (int mi = 0; mi < size<0>(dq); ++mi) {
-        const int query = query0 + get<0>(cdQ_rc(mi, 0));
-        if (query >= p.seqlen_q) continue;
-        float* dst = dq_head + int64_t(query) * kHeadDim;
-        CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(dq); ni += 2) {
-          atomicAdd(reinterpret_cast<float2*>(dst + get<1>(cdQ_rc(mi, ni))), make_float2(dq(mi, ni), dq(mi, ni + 1)));
-        }
-      }
+      // This key block's share of dQ to the writer warp, while dK's GEMM runs: into the slab once the writer's previous
+      // reduce has read it, then made visible to TMA (the async proxy).
+      cutlass::arch::NamedBarrier::sync(kdQThreads, kdQEmpty + mma_warpgroup);
+      copy(r2s_dq, thr_r2s_dq.retile_S(tdQrdQ), tdQsdQ);
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQFull + mma_warpgroup);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdKrdK);
       q_pipe.consumer_release(stage);  // dK's GEMM, Q's last reader, retired

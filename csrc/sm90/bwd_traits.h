@@ -93,6 +93,16 @@ struct BwdTraits {
                                           make_tensor(make_gmem_ptr(static_cast<float const*>(nullptr)), ShapeStats{},
                                                       Stride<_1>{}),
                                           Layout<M>{}, M{}, _1{}));
+  // dQ of a query block, staged for the writer warp's TMA reduce-add into the row-major fp32 dq_accum: (M, d), 128-byte
+  // swizzle (8 x 32-float atoms); MMA warpgroup w's slab, columns [64w, 64w + 64), is the first or second half.
+  using dQSlab = Shape<M, Int<kHeadDim / kBwdMmaWarpgroups>>;
+  using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<M, D>{}));
+  using SmemLayoutdQSlab = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, dQSlab{}));
+  using TmadQ = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{},
+                                       make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), ShapeQKV{},
+                                                   StrideQKV{}),
+                                       SmemLayoutdQSlab{}, dQSlab{}, _1{}));
+
   // A TMA load completes its whole box (rows past the tensor arrive as zeros): these are the bytes to expect, Q's
   // (or dO's) tile and lse's (or D's) block on the same barrier.
   static constexpr uint32_t kBytesQ = size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element) + kBlockM * sizeof(float);
@@ -109,6 +119,7 @@ struct BwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdO>, 1024> dO;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdS>, 1024> dS;
+    cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>, 1024> dq;
     cute::array_aligned<float, kBlockM * kStages, 128> lse;  // (kBlockM, stages), with q's stages
     cute::array_aligned<float, kBlockM * kStages, 128> d;    // (kBlockM, stages), with dO's stages
     alignas(16) cutlass::arch::ClusterTransactionBarrier kv_full;  // K and V landed
@@ -126,10 +137,10 @@ struct BwdKernelParams {
   typename Traits::TmaK tma_k;
   typename Traits::TmaV tma_v;
   typename Traits::TmaStats tma_lse, tma_d;  // over lse and d_sum, flat
+  typename Traits::TmadQ tma_dq;             // reduce-add into dq_accum
   typename Traits::ShapeQKV shape_q, shape_k;  // (seqlen, head dim, heads, batch); shape_k's heads are nheads_k
   int32_t stats_total;  // batch * nheads * seqlen_q: lse's and d_sum's length (lse: natural log, -inf: no key seen;
                         // d_sum: D = rowsum(dO * O), which the preprocess writes)
-  float* dq_accum;     // (batch, nheads, seqlen_q, head dim) fp32, zeroed by the preprocess; unscaled dS K
   void* dk;            // (batch, seqlen_k, nheads, head dim): one slice per query head, Element or fp32 (dkv_fp32)
   void* dv;
   int64_t dk_row_stride, dk_head_stride, dk_batch_stride;

@@ -51,10 +51,10 @@ constexpr bool bwd_has_tile(int head_dim) { return head_dim == 128; }
 constexpr BwdTileShape bwd_tile(int head_dim) { return {head_dim, 64, 128, 2, false, false}; }
 
 // Shared memory of a tile: K and V, two stages of Q, dO and dS (2-byte elements), each stage's lse and D (floats),
-// plus the barriers; bwd_launch.h asserts the traits' SharedStorage fits it.
+// dQ's fp32 staging, plus the barriers; bwd_launch.h asserts the traits' SharedStorage fits it.
 constexpr int bwd_smem_bytes(BwdTileShape t) {
   return (2 * t.block_n + 2 * t.stages * t.block_m) * t.head_dim * 2 + t.stages * t.block_m * t.block_n * 2 +
-         2 * t.stages * t.block_m * 4 + 1024;
+         2 * t.stages * t.block_m * 4 + t.block_m * t.head_dim * 4 + 1024;
 }
 
 // What the backward of this family computes so far: padded batches, any lengths, MHA/GQA/MQA (dK and dV per query
