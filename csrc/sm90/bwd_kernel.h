@@ -86,9 +86,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------------------------------ producer
-    // The loads need few registers; the MMA warpgroups get the rest (128 x 32 + 256 x 240 = the whole 64K file).
-    // 24, FA3's, spilled 44 B here once the producer also loaded lse and D.
-    cutlass::arch::warpgroup_reg_dealloc<32>();
+    // The loads and the dQ writer need few registers; the MMA warpgroups get the rest. setmaxnreg draws on the CTA's
+    // own pool, 168 x 384 at launch: 128 x 40 + 256 x 232 is exactly that (FA3's other split; its 24 / 240 spilled
+    // 44 B here once the producer also loaded lse and D, and 32 / 240 would ask for more than the pool holds).
+    static_assert(kWarpgroupThreads * 40 + Traits::kMmaThreads * 232 <= 168 * kBwdThreads, "setmaxnreg's pool");
+    cutlass::arch::warpgroup_reg_dealloc<40>();
     if (warp == 1 && m_begin < m_end) {
       // ---------------------------------------------------------------------------------------- dQ writer
       // Each query block's dQ share, staged by the MMA warpgroups, reduced into dq_accum by TMA (two boxes per
@@ -109,6 +111,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             copy(p.tma_dq, tdQs, tdQg);
             tma_store_arrive();
           }
+          __syncwarp();  // converged again before the next bar.sync
         }
         // A slab is free again once its reduce has read it; the MMA warpgroup's first wait was met by its own arrive,
         // so the writer's last block arrives nowhere (no barrier is left half-arrived at exit).
@@ -135,17 +138,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
     auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    // lse and D of query block m: kBlockM floats from this head's first row on, in the flat buffers.
-    const int stats_row = (batch * p.nheads + head) * p.seqlen_q;
-    Tensor gLse = local_tile(domain_offset(make_coord(stats_row), p.tma_lse.get_tma_tensor(make_shape(p.stats_total))),
-                             Shape<M>{}, make_coord(_));  // (M, query blocks)
-    Tensor gD = local_tile(domain_offset(make_coord(stats_row), p.tma_d.get_tma_tensor(make_shape(p.stats_total))),
-                           Shape<M>{}, make_coord(_));
-    Tensor sLse = make_tensor(make_smem_ptr(shared.lse.data()), Layout<Shape<M, Int<Traits::kStages>>>{});
-    Tensor sD = make_tensor(make_smem_ptr(shared.d.data()), Layout<Shape<M, Int<Traits::kStages>>>{});
-    auto [tLgL, tLsL] =
-        tma_partition(p.tma_lse, Int<0>{}, Layout<_1>{}, group_modes<0, 1>(sLse), group_modes<0, 1>(gLse));
-    auto [tDgD, tDsD] = tma_partition(p.tma_d, Int<0>{}, Layout<_1>{}, group_modes<0, 1>(sD), group_modes<0, 1>(gD));
+    // lse and D of query block m: a box of the flat buffers from this head's first row rounded down to 4 floats.
+    const int stats_row = (batch * p.nheads + head) * p.seqlen_q, stats0 = stats_row & ~3;
+    Tensor mLse = p.tma_lse.get_tma_tensor(make_shape(p.stats_total));
+    Tensor mD = p.tma_d.get_tma_tensor(make_shape(p.stats_total));
+    using SB = typename Traits::StatsBox;
     shared.kv_full.arrive_and_expect_tx(Traits::kBytesKV);
     copy(p.tma_k.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tKgK, tKsK);
     copy(p.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tVgV, tVsV);
@@ -155,13 +152,21 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       q_pipe.producer_acquire(stage);  // waits for the stage to be free, then expects its bytes (Q's and lse's)
       copy(p.tma_q.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, m),
            tQsQ(_, stage.index()));
-      copy(p.tma_lse.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tLgL(_, m),
-           tLsL(_, stage.index()));
+      {
+        Tensor gL = local_tile(domain_offset(make_coord(stats0 + m * kBlockM), mLse), Shape<SB>{}, make_coord(0));
+        Tensor sL = make_tensor(make_smem_ptr(shared.lse.data() + stage.index() * Traits::kStatsStage), Layout<SB>{});
+        auto [tg, ts] = tma_partition(p.tma_lse, Int<0>{}, Layout<_1>{}, group_modes<0, 1>(sL), group_modes<0, 1>(gL));
+        copy(p.tma_lse.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tg, ts);
+      }
       do_pipe.producer_acquire(stage);  // dO's and D's
       copy(p.tma_do.with(*do_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tdOgdO(_, m),
            tdOsdO(_, stage.index()));
-      copy(p.tma_d.with(*do_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tDgD(_, m),
-           tDsD(_, stage.index()));
+      {
+        Tensor gD = local_tile(domain_offset(make_coord(stats0 + m * kBlockM), mD), Shape<SB>{}, make_coord(0));
+        Tensor sD = make_tensor(make_smem_ptr(shared.d.data() + stage.index() * Traits::kStatsStage), Layout<SB>{});
+        auto [tg, ts] = tma_partition(p.tma_d, Int<0>{}, Layout<_1>{}, group_modes<0, 1>(sD), group_modes<0, 1>(gD));
+        copy(p.tma_d.with(*do_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tg, ts);
+      }
     }
     auto do_stage = stage;
     q_pipe.producer_tail(stage);  // no exit while loads into this CTA's shared memory are in flight
@@ -170,7 +175,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   }
 
   // -------------------------------------------------------------------------------------------- MMA warpgroups
-  cutlass::arch::warpgroup_reg_alloc<240>();
+  cutlass::arch::warpgroup_reg_alloc<232>();
   const int tid = threadIdx.x - kWarpgroupThreads;
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmadKV mma_dkv;
@@ -215,6 +220,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<N, M>{}));
     Tensor cS_rc = make_tensor(cS.data(), rowcol_t(cS.layout()));
     constexpr int kRows = decltype(size<0>(cS_rc))::value;  // queries per thread
+    const int stats_shift = ((batch * p.nheads + head) * p.seqlen_q) & 3;  // this head's first row in the stats box
 
     shared.kv_full.wait(0);
     typename Traits::PipelineState stage;
@@ -228,7 +234,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       // lse of this thread's queries (shared memory, with Q's stage), read while the GEMMs run. Rows past seqlen_q
       // (the box ran into the next head's, or zeros), and rows that saw no key in the forward (lse = -inf), get
       // lse = +inf so that P = 0 there (sm80/bwd_tile.h does the same).
-      const float* lse_s = shared.lse.data() + s * kBlockM;
+      const float* lse_s = shared.lse.data() + s * Traits::kStatsStage + stats_shift;
       float lse_log2[kRows];
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
@@ -263,7 +269,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       }
       // D of the same queries (shared memory, with dO's stage), read once lse's registers are free, while dP's GEMM
       // runs.
-      const float* d_s = shared.d.data() + s * kBlockM;
+      const float* d_s = shared.d.data() + s * Traits::kStatsStage + stats_shift;
       float d_row[kRows];
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {

@@ -55,7 +55,7 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   auto flat = [&](const float* ptr) {
     return make_tensor(make_gmem_ptr(ptr), make_shape(int32_t(stats_total)), Stride<_1>{});
   };
-  using MStats = Int<Traits::kBlockM>;
+  using MStats = typename Traits::StatsBox;
   k.tma_lse = make_tma_copy(SM90_TMA_LOAD{}, flat(p.lse), Layout<MStats>{}, MStats{}, _1{});
   k.tma_d = make_tma_copy(SM90_TMA_LOAD{}, flat(p.d_sum), Layout<MStats>{}, MStats{}, _1{});
   k.stats_total = int32_t(stats_total);

@@ -85,14 +85,17 @@ struct BwdTraits {
   using TmaQ = TmaLoad<decltype(take<0, 2>(SmemLayoutQ{})), Shape<M, D>>;  // also dO's
   using TmaK = TmaLoad<SmemLayoutK, Shape<N, D>>;
   using TmaV = TmaLoad<SmemLayoutV, Shape<N, D>>;
-  // lse and D of a query block, kBlockM floats each, by a rank-1 TMA over the whole flat (batch, heads, seqlen_q)
-  // buffer: a box starts at any element, so fa2's unpadded statistics need no padded copy. A box running past a
-  // head's rows reads the next head's (the MMA warps mask those rows) or, past the buffer, zeros.
+  // lse and D of a query block by a rank-1 TMA over the whole flat (batch, heads, seqlen_q) buffer, so fa2's
+  // unpadded statistics need no padded copy. A box must start on 16 bytes (reported for TMA, not documented): it
+  // starts at the head's first row rounded down to 4 floats and is 4 floats longer, the block's kBlockM floats inside
+  // it at offset (first row & 3). Floats of other heads' rows, or zeros past the buffer, are masked by the MMA warps.
   using ShapeStats = Shape<int32_t>;
+  static constexpr int kStatsBox = kBlockM + 4, kStatsStage = (kStatsBox + 31) / 32 * 32;  // a stage: 128-byte aligned
+  using StatsBox = Int<kStatsBox>;
   using TmaStats = decltype(make_tma_copy(SM90_TMA_LOAD{},
                                           make_tensor(make_gmem_ptr(static_cast<float const*>(nullptr)), ShapeStats{},
                                                       Stride<_1>{}),
-                                          Layout<M>{}, M{}, _1{}));
+                                          Layout<StatsBox>{}, StatsBox{}, _1{}));
   // dQ of a query block, staged for the writer warp's TMA reduce-add into the row-major fp32 dq_accum: (M, d), 128-byte
   // swizzle (8 x 32-float atoms); MMA warpgroup w's slab, columns [64w, 64w + 64), is the first or second half.
   using dQSlab = Shape<M, Int<kHeadDim / kBwdMmaWarpgroups>>;
@@ -105,7 +108,7 @@ struct BwdTraits {
 
   // A TMA load completes its whole box (rows past the tensor arrive as zeros): these are the bytes to expect, Q's
   // (or dO's) tile and lse's (or D's) block on the same barrier.
-  static constexpr uint32_t kBytesQ = size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element) + kBlockM * sizeof(float);
+  static constexpr uint32_t kBytesQ = size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element) + kStatsBox * sizeof(float);
   static constexpr uint32_t kBytesKV = 2 * size(SmemLayoutK{}) * sizeof(Element);
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;  // Q and dO each, advanced together
@@ -120,8 +123,8 @@ struct BwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdO>, 1024> dO;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdS>, 1024> dS;
     cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>, 1024> dq;
-    cute::array_aligned<float, kBlockM * kStages, 128> lse;  // (kBlockM, stages), with q's stages
-    cute::array_aligned<float, kBlockM * kStages, 128> d;    // (kBlockM, stages), with dO's stages
+    cute::array_aligned<float, kStatsStage * kStages, 128> lse;  // a box per stage, with Q's stages
+    cute::array_aligned<float, kStatsStage * kStages, 128> d;    // a box per stage, with dO's stages
     alignas(16) cutlass::arch::ClusterTransactionBarrier kv_full;  // K and V landed
     alignas(16) typename Pipeline::SharedStorage q_pipe;
     alignas(16) typename Pipeline::SharedStorage do_pipe;
@@ -130,7 +133,7 @@ struct BwdTraits {
 };
 
 // The kernel's parameters: TMA descriptors in the kernel's parameter space (__grid_constant__), where TMA reads them;
-// the rest is what the statistics, the masks, dQ's atomics and the dK/dV epilogue need.
+// the rest is what the statistics, the masks and the dK/dV epilogue need.
 template <class Traits>
 struct BwdKernelParams {
   typename Traits::TmaQ tma_q, tma_do;

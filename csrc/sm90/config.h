@@ -40,12 +40,14 @@ constexpr bool fwd_serves(int head_dim, int seqlen_q, bool kvcache, int /*window
   return fwd_has_tile(head_dim) && seqlen_q > 64 && !kvcache;
 }
 
-// The backward (bwd_kernel.h; docs/tuning.md#sm90-backward-draft): compiled only with -DFA2_SM90_BWD=ON, at d128 alone,
-// and never run on a GPU yet. One CTA per (key block, head, batch) = a producer warpgroup (TMA: K and V once, Q and dO
-// per query block through a two-stage ring each) and two MMA warpgroups of 64 keys each, which walk the query blocks
-// that see their keys: S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory, dV += P^T dO and dK += dS^T Q with
-// P^T and dS^T from registers, dQ = dS K with dS through shared memory, added into the fp32 dq_accum by atomics.
-// 64 x 128 is FA3's causal d128 tile (flash_bwd_launch_template.h); its non-causal 80 x 128 is a later step.
+// The backward (bwd_kernel.h; docs/tuning.md#sm90-backward-draft): compiled only with -DFA2_SM90_BWD=ON, at d128
+// alone; its first version ran on a GPU once, its later levers not yet. One CTA per (key block, head, batch) = a
+// producer warpgroup (TMA: K and V once, Q and dO with lse and D per query block through a two-stage ring each; a dQ
+// writer warp) and two MMA warpgroups of 64 keys each, which walk the query blocks that see their keys: S^T = K Q^T
+// and dP^T = V dO^T by wgmma from shared memory, dV += P^T dO and dK += dS^T Q with P^T and dS^T from registers,
+// dQ = dS K with dS through shared memory, staged in shared memory and added into the fp32 dq_accum by the writer's
+// TMA reduce-add. 64 x 128 is FA3's causal d128 tile (flash_bwd_launch_template.h); its non-causal 80 x 128 is a
+// later step.
 constexpr bool bwd_has_tile(int head_dim) { return head_dim == 128; }
 
 constexpr BwdTileShape bwd_tile(int head_dim) { return {head_dim, 64, 128, 2, false, false}; }
@@ -54,7 +56,7 @@ constexpr BwdTileShape bwd_tile(int head_dim) { return {head_dim, 64, 128, 2, fa
 // dQ's fp32 staging, plus the barriers; bwd_launch.h asserts the traits' SharedStorage fits it.
 constexpr int bwd_smem_bytes(BwdTileShape t) {
   return (2 * t.block_n + 2 * t.stages * t.block_m) * t.head_dim * 2 + t.stages * t.block_m * t.block_n * 2 +
-         2 * t.stages * t.block_m * 4 + t.block_m * t.head_dim * 4 + 1024;
+         2 * t.stages * (t.block_m + 32) * 4 + t.block_m * t.head_dim * 4 + 1024;
 }
 
 // What the backward of this family computes so far: padded batches, any lengths, MHA/GQA/MQA (dK and dV per query
