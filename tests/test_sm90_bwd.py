@@ -1,8 +1,8 @@
 """The draft Hopper backward (csrc/sm90/bwd_*.h, built only with -DFA2_SM90_BWD=ON; docs/tuning.md#sm90-backward):
-asked for, it computes dq, dk and dv of every call it serves (padded batches at d128, full or causal, MHA/GQA/MQA,
-lengths that are not multiples of its 64 x 128 tile) within the fp64 reference rule, and the plan sends everything
-else to the mma.sync backward. In a build without it these tests run the mma.sync backward and pass the same way; the
-kernel names of a profile say which family ran. CPU (record mode): the plan's family."""
+asked for, it computes dq, dk and dv of every call it serves (padded batches at d64 and d128, full or causal,
+MHA/GQA/MQA, lengths that are not multiples of its 64 x 128 tile) within the fp64 reference rule, and the plan sends
+everything else to the mma.sync backward. In a build without it these tests run the mma.sync backward and pass the
+same way; the kernel names of a profile say which family ran. CPU (record mode): the plan's family."""
 import pytest
 import torch
 
@@ -42,22 +42,22 @@ def bwd_kernel_names(fn):
 
 SHAPES = [(1, 1), (113, 203), (128, 128), (203, 113), (1000, 1000), (1023, 2048), (2048, 1023)]
 HEADS = [(2, 4, 4), (1, 8, 1), (1, 16, 2)]  # MHA, MQA, GQA 8:1
-GRID = [(sq, sk, b, h, hk) for sq, sk in SHAPES for b, h, hk in HEADS]
+GRID = [(d, sq, sk, b, h, hk) for d in (64, 128) for sq, sk in SHAPES for b, h, hk in HEADS]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("sq,sk,b,h,hk", GRID, ids=["{}x{}_b{}_h{}kv{}".format(*g) for g in GRID])
-def test_hopper_backward_matches_the_reference(sq, sk, b, h, hk, dtype, causal, launch_overrides, require_kernel):
-    require_kernel("bwd", 128, dtype)
+@pytest.mark.parametrize("d,sq,sk,b,h,hk", GRID, ids=["d{}_{}x{}_b{}_h{}kv{}".format(*g) for g in GRID])
+def test_hopper_backward_matches_the_reference(d, sq, sk, b, h, hk, dtype, causal, launch_overrides, require_kernel):
+    require_kernel("bwd", d, dtype)
     launch_overrides(family="sm90")
-    q = randn(b, sq, h, 128, dtype=dtype, requires_grad=True)
-    k, v = (randn(b, sk, hk, 128, dtype=dtype, requires_grad=True) for _ in range(2))
+    q = randn(b, sq, h, d, dtype=dtype, requires_grad=True)
+    k, v = (randn(b, sk, hk, d, dtype=dtype, requires_grad=True) for _ in range(2))
     out = fa2.attention(q, k, v, causal=causal)
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), dout)
-    check_grads(got, q, k, v, dout, causal, f"sm90 bwd {sq}x{sk} b{b} h{h}/{hk} {dtype} causal={causal}")
+    check_grads(got, q, k, v, dout, causal, f"sm90 bwd d{d} {sq}x{sk} b{b} h{h}/{hk} {dtype} causal={causal}")
 
 
 @pytest.mark.gpu
@@ -100,11 +100,11 @@ def test_the_backward_family_that_runs_is_the_one_planned(launch_overrides, requ
     (dict(window_size=(64, 0)), False), (dict(alibi_slopes=torch.ones(4)), False),
     (dict(dropout_p=0.1, rng_state=torch.tensor([1, 2])), False),
 ], ids=["plain", "causal", "deterministic", "softcap", "window", "alibi", "dropout"])
-@pytest.mark.parametrize("d,hk", [(128, 4), (128, 1), (64, 4)], ids=["d128", "d128_mqa", "d64"])
+@pytest.mark.parametrize("d,hk", [(128, 4), (128, 1), (64, 4), (96, 4)], ids=["d128", "d128_mqa", "d64", "d96"])
 def test_the_plan_sends_the_hopper_backward_only_what_it_serves(options, served, d, hk, launch_overrides, recording,
                                                                 require_kernel):
     """CPU: with the Hopper family asked for, a backward runs on it only where the build has it (-DFA2_SM90_BWD=ON)
-    and it serves the call (d128 so far, padded, full or causal, no score transform, not deterministic)."""
+    and it serves the call (d64 and d128 so far, padded, full or causal, no score transform, not deterministic)."""
     require_kernel("bwd", d, torch.bfloat16)
     built = sm90_bwd_built()
     launch_overrides(record=True, family="sm90")
@@ -113,7 +113,7 @@ def test_the_plan_sends_the_hopper_backward_only_what_it_serves(options, served,
     fa2.bwd(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.zeros(1, 4, 256), **options)
     kind, launch = recording.calls[-1]
     assert kind == "bwd"
-    expected = "sm90" if built and served and d == 128 else "sm80"
+    expected = "sm90" if built and served and d in (64, 128) else "sm80"  # sm90/config.h: bwd_has_tile
     assert launch["plan"]["family"] == expected, (options, launch["plan"])
     if expected == "sm90":
         assert launch["plan"]["shape"][1:3] == (64, 128)  # sm90/config.h: bwd_tile(128)

@@ -48,7 +48,7 @@ constexpr bool fwd_serves(int head_dim, int seqlen_q, bool kvcache, int /*window
 // dQ = dS K with dS through shared memory, staged in shared memory and added into the fp32 dq_accum by the writer's
 // TMA reduce-add. 64 x 128 is FA3's causal d128 tile (flash_bwd_launch_template.h); its non-causal 80 x 128 is a
 // later step.
-constexpr bool bwd_has_tile(int head_dim) { return head_dim == 128; }
+constexpr bool bwd_has_tile(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
 constexpr BwdTileShape bwd_tile(int head_dim) { return {head_dim, 64, 128, 2, false, false}; }
 
