@@ -1,8 +1,8 @@
-"""The draft Hopper backward (csrc/sm90/bwd_*.h, built only with -DFA2_SM90_BWD=ON; docs/tuning.md#sm90-backward):
-asked for, it computes dq, dk and dv of every call it serves (padded batches at d64 and d128, full or causal,
-MHA/GQA/MQA, lengths that are not multiples of its 64 x 128 tile) within the fp64 reference rule, and the plan sends
-everything else to the mma.sync backward. In a build without it these tests run the mma.sync backward and pass the
-same way; the kernel names of a profile say which family ran. CPU (record mode): the plan's family."""
+"""The Hopper backward (csrc/sm90/bwd_*.h; docs/tuning.md#sm90-backward): asked for, it computes dq, dk and dv of
+every call it serves (padded batches at d64 and d128, full or causal, MHA/GQA/MQA, lengths that are not multiples of
+its 64 x 128 tile) within the fp64 reference rule, and the plan sends everything else to the mma.sync backward. Every
+build with the Hopper family has it (a build without arch 90 runs these tests on the mma.sync backward); the kernel
+names of a profile say which family ran. CPU (record mode): the plan's family."""
 import pytest
 import torch
 
@@ -27,6 +27,14 @@ def sm90_bwd_built():
     finally:
         ops._C.set_test_overrides()
     return launches[-1]["plan"]["family"] == "sm90"
+
+
+def test_a_build_with_the_hopper_family_has_its_backward(require_kernel):
+    """CPU: the Hopper backward is compiled wherever the Hopper family is (instantiations/axes.json), so a build that
+    lost it fails here instead of quietly running the mma.sync backward."""
+    require_kernel("bwd", 128, torch.bfloat16)
+    info = fa2.build_info()
+    assert sm90_bwd_built() == ("sm90" in info["families"] and 128 in info["bwd_head_dims"]), info
 
 
 def hopper_bwd_expected():
@@ -88,7 +96,7 @@ def test_the_backward_family_that_runs_is_the_one_planned(launch_overrides, requ
     launch_overrides(family="sm80")
     names = bwd_kernel_names(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=True))
     assert names and not any("sm90" in n for n in names), names
-    # What the draft does not serve falls back by the plan, never by error: deterministic mode, softcap.
+    # What the Hopper backward does not serve falls back by the plan, never by error: deterministic mode, softcap.
     launch_overrides(family="sm90")
     for options in (dict(deterministic=True), dict(softcap=30.0)):
         names = bwd_kernel_names(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=True, **options))
@@ -103,8 +111,8 @@ def test_the_backward_family_that_runs_is_the_one_planned(launch_overrides, requ
 @pytest.mark.parametrize("d,hk", [(128, 4), (128, 1), (64, 4), (96, 4)], ids=["d128", "d128_mqa", "d64", "d96"])
 def test_the_plan_sends_the_hopper_backward_only_what_it_serves(options, served, d, hk, launch_overrides, recording,
                                                                 require_kernel):
-    """CPU: with the Hopper family asked for, a backward runs on it only where the build has it (-DFA2_SM90_BWD=ON)
-    and it serves the call (d64 and d128 so far, padded, full or causal, no score transform, not deterministic)."""
+    """CPU: with the Hopper family asked for, a backward runs on it only where the build has it and it
+    serves the call (d64 and d128 so far, padded, full or causal, no score transform, not deterministic)."""
     require_kernel("bwd", d, torch.bfloat16)
     built = sm90_bwd_built()
     launch_overrides(record=True, family="sm90")

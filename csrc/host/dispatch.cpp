@@ -127,7 +127,7 @@ void launch_bwd(const BwdParams& p, const BwdPlan& plan, int device) {
 #define FA2_DISPATCH_SM90(D, T) \
   if (plan.head_dim == D && plan.dtype == DType::T) return sm90::run_bwd<D, DType::T>(p, plan, *stream);
   if (plan.family == Family::kSm90) {
-    FA2_FOR_EACH_SM90_BWD(FA2_DISPATCH_SM90)  // empty unless built with -DFA2_SM90_BWD=ON
+    FA2_FOR_EACH_SM90_BWD(FA2_DISPATCH_SM90)
   } else {
     FA2_FOR_EACH_SM80_BWD(FA2_DISPATCH)
   }

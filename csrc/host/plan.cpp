@@ -82,7 +82,7 @@ bool sm90_built(int head_dim, DType dtype) {
   return false;
 }
 
-// The Hopper backward's instances: none unless the build was configured with -DFA2_SM90_BWD=ON (CMakeLists.txt).
+// The Hopper backward's instances (d64 and d128 where arch 90 is built: instantiations/axes.json).
 bool sm90_bwd_built(int head_dim, DType dtype) {
 #define FA2_SM90(D, T) \
   if (head_dim == D && dtype == DType::T) return true;
@@ -121,7 +121,7 @@ Family forward_family(const FwdParams& p, DType dtype, int head_dim, const Devic
   return serves ? Family::kSm90 : Family::kSm80;
 }
 
-// The backward's family: the Hopper one only where the build compiled it (-DFA2_SM90_BWD=ON), for what it serves
+// The backward's family: the Hopper one where the build compiled it, for what it serves
 // (sm90/config.h: bwd_serves), with TMA-loadable q, k, v and dout; FA2_FAMILY=sm80 keeps it off.
 Family backward_family(const BwdParams& p, DType dtype, int head_dim, const DeviceInfo& device) {
   if (requested_family() == 1 || !device.sm90a || !sm90_bwd_built(head_dim, dtype)) return Family::kSm80;

@@ -3,7 +3,7 @@
 // query block that sees those keys through two-stage TMA rings; warpgroups 1 and 2 own 64 keys each, keep dK and dV in
 // registers for the whole stream, and stage each query block's dQ share in shared memory, which warp 1 of warpgroup 0
 // adds into the fp32 dq_accum by TMA reduce-add.
-//                                                                                docs/tuning.md#sm90-backward-draft
+//                                                                                      docs/tuning.md#sm90-backward
 //
 // Names: g* global tiles, s* shared (s*t: the transposed view of the same bytes), t*r* register fragments partitioned
 // by an MMA (tSr: of S^T = K Q^T, tdPr: of dP^T = V dO^T, tdVr / tdKr: of dV, dK, tdQr: of dQ = dS K); m: a query

@@ -1,7 +1,7 @@
 // Backward: the launches of a plan (common/plan.h) on the Hopper family: the mma.sync family's preprocess (D and
 // dq_accum zeroed) and dQ conversion around this family's main kernel, whose dq_accum is laid out as theirs (row-major
-// fp32, lse's rows). Included only by the TUs that -DFA2_SM90_BWD=ON generates (sm_90a code), one (head dim, dtype)
-// each: builds the TMA descriptors of this call's q, k, v and dout.                 docs/tuning.md#sm90-backward-draft
+// fp32, lse's rows). Included only by its generated TUs (sm_90a code, instantiations/axes.json), one (head dim, dtype)
+// each: builds the TMA descriptors of this call's q, k, v and dout.                       docs/tuning.md#sm90-backward
 #pragma once
 
 #include <stdexcept>

@@ -1,6 +1,6 @@
 // What a Hopper backward tile's numbers (config.h: bwd_tile) imply: the five warpgroup MMAs, the shared-memory layouts
 // they read (and the transposed views of the same bytes), the TMA loads, the pipelines and the shared storage. The
-// kernel (bwd_kernel.h) is generic over these.                                      docs/tuning.md#sm90-backward-draft
+// kernel (bwd_kernel.h) is generic over these.                                            docs/tuning.md#sm90-backward
 #pragma once
 
 #include <type_traits>
