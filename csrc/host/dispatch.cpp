@@ -124,7 +124,14 @@ void launch_bwd(const BwdParams& p, const BwdPlan& plan, int device) {
   NvtxRange range("fa2.bwd");
 #define FA2_DISPATCH(D, T) \
   if (plan.head_dim == D && plan.dtype == DType::T) return run_bwd<D, DType::T>(p, plan, *stream);
-  FA2_FOR_EACH_SM80_BWD(FA2_DISPATCH)
+#define FA2_DISPATCH_SM90(D, T) \
+  if (plan.head_dim == D && plan.dtype == DType::T) return sm90::run_bwd<D, DType::T>(p, plan, *stream);
+  if (plan.family == Family::kSm90) {
+    FA2_FOR_EACH_SM90_BWD(FA2_DISPATCH_SM90)
+  } else {
+    FA2_FOR_EACH_SM80_BWD(FA2_DISPATCH)
+  }
+#undef FA2_DISPATCH_SM90
 #undef FA2_DISPATCH
   throw std::logic_error("fa2: backward dispatch fell through");
 }

@@ -37,8 +37,9 @@ def expected_files() -> dict:
     """{file name: text} for every (family, kind, head dim, dtype) of axes.json."""
     files = {}
     for family, spec in AXES["families"].items():
-        hdims = AXES["head_dims"] if spec["head_dims"] == "all" else spec["head_dims"]
         for kind in spec["kinds"]:
+            hdims = spec["head_dims"].get(kind, "all") if isinstance(spec["head_dims"], dict) else spec["head_dims"]
+            hdims = AXES["head_dims"] if hdims == "all" else hdims
             entry, params, plan = ENTRY[kind]
             for hdim in hdims:
                 for dtype in AXES["dtypes"]:

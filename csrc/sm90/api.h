@@ -11,5 +11,7 @@
 namespace fa2::sm90 {
 
 template <int kHeadDim, DType kDType> void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream);
+// At the head dims it has a tile for (sm90/config.h: bwd_has_tile; instantiations/axes.json).
+template <int kHeadDim, DType kDType> void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream);
 
 }  // namespace fa2::sm90

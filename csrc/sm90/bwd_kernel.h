@@ -1,0 +1,354 @@
+// The Hopper backward (fa2.reference.flash_bwd_tiled's inner loop, KV-stationary), warp-specialized: one CTA per
+// (key block, head, batch). Warp 0 of warpgroup 0 loads K and V once and streams Q and dO (with lse and D) of every
+// query block that sees those keys through two-stage TMA rings; warpgroups 1 and 2 own 64 keys each, keep dK and dV in
+// registers for the whole stream, and stage each query block's dQ share in shared memory, which warp 1 of warpgroup 0
+// adds into the fp32 dq_accum by TMA reduce-add.
+//                                                                                      docs/tuning.md#sm90-backward
+//
+// Names: g* global tiles, s* shared (s*t: the transposed view of the same bytes), t*r* register fragments partitioned
+// by an MMA (tSr: of S^T = K Q^T, tdPr: of dP^T = V dO^T, tdVr / tdKr: of dV, dK, tdQr: of dQ = dS K); m: a query
+// block, n: a key block. Statistics per query: lse (natural log, the forward's), D = rowsum(dO * O) (the preprocess's).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "sm90/bwd_traits.h"
+#include "sm90/utils.h"
+
+namespace fa2::sm90 {
+using namespace cute;
+
+// An accumulator whose M is keys and N queries (S^T, dP^T) as (rows = queries, cols = keys): utils.h's rowcol with
+// the modes swapped, so that a row's statistic (lse, D) is one value per row as in the reference.
+template <class Layout>
+__device__ __forceinline__ auto rowcol_t(Layout const& l) {
+  return make_layout(make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)), make_layout(get<0, 1>(l), get<1>(l)));
+}
+
+// The MMA warpgroups' named barrier: dS complete in shared memory (each warpgroup wrote its 64 keys; dQ = dS K reads
+// all of them). Id 0 past CUTLASS's reserved ones.
+constexpr int kdSBarrier = 0;
+// dQ's staging slab of MMA warpgroup w (ids + w): empty (the writer's reduce has read it; the MMA warpgroup waits) and
+// full (the MMA warpgroup wrote it; the writer waits). 128 MMA threads and the writer warp's 32 each.
+constexpr int kdQEmpty = 1, kdQFull = 1 + kBwdMmaWarpgroups;
+constexpr int kdQThreads = kWarpgroupThreads + 32;
+
+template <class Traits>
+__global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT BwdKernelParams<Traits> const p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Element = typename Traits::Element;
+  using Pipeline = typename Traits::Pipeline;
+  using M = typename Traits::M;
+  using N = typename Traits::N;
+  using D = typename Traits::D;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  extern __shared__ __align__(1024) char smem[];
+  auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
+  const int warp = cutlass::canonical_warp_idx_sync();
+  const int warpgroup = cutlass::canonical_warp_group_idx();
+  // Causal: key block 0 (seen by every query) is the heaviest; the heaviest blocks of a group of heads go first.
+  const BlockHead work = scheduled_block</*kHeavyLast=*/false>(p.head_group);
+  const int n_block = work.block, head = work.head, batch = blockIdx.z, head_kv = head / p.head_group_kv;
+  // Bottom-right aligned: query i sees key j iff j <= i + diagonal (causal). The query blocks that see a key of this
+  // block are [m_begin, m_end); none (a causal block past every row's diagonal): dK = dV = 0 are still written.
+  const int diagonal = p.seqlen_k - p.seqlen_q;
+  const int m_begin = p.causal ? max(n_block * kBlockN - diagonal, 0) / kBlockM : 0;
+  const int m_end = ceil_div(p.seqlen_q, kBlockM);
+
+  if (warp == 0 && cute::elect_one_sync()) {
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_dq.get_tma_descriptor());
+    shared.kv_full.init(1);
+  }
+  // Q and dO have a ring each: a stage is released once the last GEMM that reads it has retired (dO after dV's and
+  // dP's, Q after dK's), which is later for Q.
+  typename Pipeline::Params pipe_params;
+  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Traits::kMmaThreads;
+  pipe_params.transaction_bytes = Traits::kBytesQ;
+  Pipeline q_pipe(shared.q_pipe, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline do_pipe(shared.do_pipe, pipe_params, Shape<_1, _1, _1>{});
+  __syncthreads();  // the barriers are initialised before anyone waits on them
+
+  Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});     // (M, d, stages)
+  Tensor sdO = make_tensor(make_smem_ptr(shared.dO.data()), typename Traits::SmemLayoutdO{});  // (M, d, stages)
+  Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});     // (N, d)
+  Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});     // (N, d)
+
+  if (warpgroup == 0) {
+    // ------------------------------------------------------------------------------------------ producer
+    // The loads and the dQ writer need few registers; the MMA warpgroups get the rest. setmaxnreg draws on the CTA's
+    // own pool, 168 x 384 at launch: 128 x 40 + 256 x 232 is exactly that (FA3's other split; its 24 / 240 spilled
+    // 44 B here once the producer also loaded lse and D, and 32 / 240 would ask for more than the pool holds).
+    static_assert(kWarpgroupThreads * 40 + Traits::kMmaThreads * 232 <= 168 * kBwdThreads, "setmaxnreg's pool");
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (warp == 1 && m_begin < m_end) {
+      // ---------------------------------------------------------------------------------------- dQ writer
+      // Each query block's dQ share, staged by the MMA warpgroups, reduced into dq_accum by TMA (two boxes per
+      // slab; rows past seqlen_q are clipped), so the MMA warps issue no atomics. One lane issues and waits: bulk
+      // groups are per-thread state.
+      const bool leader = cute::elect_one_sync();
+      Tensor mdQ = p.tma_dq.get_tma_tensor(p.shape_q)(_, _, head, batch);                    // (rows, d)
+      Tensor gdQ = local_tile(mdQ, typename Traits::dQSlab{}, make_coord(_, _));           // (M, d/2, m, w)
+      for (int m = m_begin; m < m_end; ++m) {
+        CUTE_UNROLL
+        for (int w = 0; w < kBwdMmaWarpgroups; ++w) {
+          Tensor sdQw = make_tensor(make_smem_ptr(shared.dq.data() + w * cosize(typename Traits::SmemLayoutdQSlab{})),
+                                    typename Traits::SmemLayoutdQSlab{});
+          auto [tdQg, tdQs] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQw),
+                                            group_modes<0, 2>(gdQ(_, _, m, w)));
+          cutlass::arch::NamedBarrier::sync(kdQThreads, kdQFull + w);
+          if (leader) {
+            copy(p.tma_dq, tdQs, tdQg);
+            tma_store_arrive();
+          }
+          __syncwarp();  // converged again before the next bar.sync
+        }
+        // A slab is free again once its reduce has read it; the MMA warpgroup's first wait was met by its own arrive,
+        // so the writer's last block arrives nowhere (no barrier is left half-arrived at exit).
+        if (leader) tma_store_wait<1>();
+        __syncwarp();
+        if (m + 1 < m_end) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty);
+        if (leader) tma_store_wait<0>();
+        __syncwarp();
+        if (m + 1 < m_end) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + 1);
+      }
+      return;
+    }
+    if (warp != 0 || m_begin >= m_end || !cute::elect_one_sync()) return;
+    Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, batch);  // (rows, d)
+    Tensor mdO = p.tma_do.get_tma_tensor(p.shape_q)(_, _, head, batch);
+    Tensor mK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, batch);
+    Tensor mV = p.tma_v.get_tma_tensor(p.shape_k)(_, _, head_kv, batch);
+    Tensor gQ = local_tile(mQ, Shape<M, D>{}, make_coord(_, _0{}));  // (M, d, query blocks)
+    Tensor gdO = local_tile(mdO, Shape<M, D>{}, make_coord(_, _0{}));
+    Tensor gK = local_tile(mK, Shape<N, D>{}, make_coord(n_block, _0{}));  // (N, d)
+    Tensor gV = local_tile(mV, Shape<N, D>{}, make_coord(n_block, _0{}));
+    auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tdOgdO, tdOsdO] =
+        tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+    auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    // lse and D of query block m: a box of the flat buffers from this head's first row rounded down to 4 floats.
+    const int stats_row = (batch * p.nheads + head) * p.seqlen_q, stats0 = stats_row & ~3;
+    Tensor mLse = p.tma_lse.get_tma_tensor(make_shape(p.stats_total));
+    Tensor mD = p.tma_d.get_tma_tensor(make_shape(p.stats_total));
+    using SB = typename Traits::StatsBox;
+    shared.kv_full.arrive_and_expect_tx(Traits::kBytesKV);
+    copy(p.tma_k.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tKgK, tKsK);
+    copy(p.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tVgV, tVsV);
+    // Every key block of the head reads the same Q and dO blocks: keep them in L2.
+    auto stage = cutlass::make_producer_start_state<Pipeline>();
+    for (int m = m_begin; m < m_end; ++m, ++stage) {
+      q_pipe.producer_acquire(stage);  // waits for the stage to be free, then expects its bytes (Q's and lse's)
+      copy(p.tma_q.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, m),
+           tQsQ(_, stage.index()));
+      {
+        Tensor gL = local_tile(domain_offset(make_coord(stats0 + m * kBlockM), mLse), Shape<SB>{}, make_coord(0));
+        Tensor sL = make_tensor(make_smem_ptr(shared.lse.data() + stage.index() * Traits::kStatsStage), Layout<SB>{});
+        auto [tg, ts] = tma_partition(p.tma_lse, Int<0>{}, Layout<_1>{}, group_modes<0, 1>(sL), group_modes<0, 1>(gL));
+        copy(p.tma_lse.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tg, ts);
+      }
+      do_pipe.producer_acquire(stage);  // dO's and D's
+      copy(p.tma_do.with(*do_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tdOgdO(_, m),
+           tdOsdO(_, stage.index()));
+      {
+        Tensor gD = local_tile(domain_offset(make_coord(stats0 + m * kBlockM), mD), Shape<SB>{}, make_coord(0));
+        Tensor sD = make_tensor(make_smem_ptr(shared.d.data() + stage.index() * Traits::kStatsStage), Layout<SB>{});
+        auto [tg, ts] = tma_partition(p.tma_d, Int<0>{}, Layout<_1>{}, group_modes<0, 1>(sD), group_modes<0, 1>(gD));
+        copy(p.tma_d.with(*do_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tg, ts);
+      }
+    }
+    auto do_stage = stage;
+    q_pipe.producer_tail(stage);  // no exit while loads into this CTA's shared memory are in flight
+    do_pipe.producer_tail(do_stage);
+    return;
+  }
+
+  // -------------------------------------------------------------------------------------------- MMA warpgroups
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int tid = threadIdx.x - kWarpgroupThreads;
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadKV mma_dkv;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<N, D>{});
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<N, D>{});
+  clear(tdKrdK);
+  clear(tdVrdV);
+
+  if (m_begin < m_end) {
+    Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});     // (d, M, stages)
+    Tensor sdOt = make_tensor(make_smem_ptr(shared.dO.data()), typename Traits::SmemLayoutdOt{});  // (d, M, stages)
+    Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});     // (d, N)
+    Tensor sdS = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdS{});    // (M, N, stages)
+    Tensor sdSt = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdSt{});  // (N, M, stages)
+    // Operands: K and V are S^T's and dP^T's A (M = keys), Q and dO their B (N = queries); dO^T and Q^T are dV's and
+    // dK's B (N = d, K = queries); dS and K^T are dQ's A and B.
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
+    Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);
+    Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+    Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
+    // dQ's registers -> this warpgroup's staging slab (64-bit stores; the swizzle keeps them free of bank conflicts).
+    Tensor sdQ = make_tensor(make_smem_ptr(shared.dq.data()), typename Traits::SmemLayoutdQ{});  // (M, d)
+    auto r2s_dq = make_tiled_copy_C(Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<64>, float>{}, mma_dq);
+    auto thr_r2s_dq = r2s_dq.get_thread_slice(tid);
+    Tensor tdQsdQ = thr_r2s_dq.partition_D(as_position_independent_swizzle_tensor(sdQ));
+    const int mma_warpgroup = warpgroup - 1;
+    // Stands in for the writer's first "empty": the slab starts free.
+    if (warp % 4 == 0) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + mma_warpgroup);
+    // dS^T registers -> sdS through the transposed view (stmatrix.trans).
+    auto r2s_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma_sdp);
+    auto thr_r2s_ds = r2s_ds.get_thread_slice(tid);
+    Tensor tdSsdS = thr_r2s_ds.partition_D(as_position_independent_swizzle_tensor(sdSt));  // (CPY, .., .., stages)
+    // The (query, key) of each S^T register as (rows = queries, cols = keys), and the (query, column) of each dQ one.
+    Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<N, M>{}));
+    Tensor cS_rc = make_tensor(cS.data(), rowcol_t(cS.layout()));
+    constexpr int kRows = decltype(size<0>(cS_rc))::value;  // queries per thread
+    const int stats_shift = ((batch * p.nheads + head) * p.seqlen_q) & 3;  // this head's first row in the stats box
+
+    shared.kv_full.wait(0);
+    typename Traits::PipelineState stage;
+    for (int m = m_begin; m < m_end; ++m, ++stage) {
+      const int s = stage.index(), query0 = m * kBlockM, key0 = n_block * kBlockN;
+      // S^T = K Q^T and dP^T = V dO^T, both in flight; P's exp2 overlaps dP's GEMM.
+      Tensor tSrS = partition_fragment_C(mma_sdp, Shape<N, M>{});
+      Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<N, M>{});
+      q_pipe.consumer_wait(stage);
+      warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
+      // lse of this thread's queries (shared memory, with Q's stage), read while the GEMMs run. Rows past seqlen_q
+      // (the box ran into the next head's, or zeros), and rows that saw no key in the forward (lse = -inf), get
+      // lse = +inf so that P = 0 there (sm80/bwd_tile.h does the same).
+      const float* lse_s = shared.lse.data() + s * Traits::kStatsStage + stats_shift;
+      float lse_log2[kRows];
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        const int row = get<1>(cS_rc(mi, 0)), query = query0 + row;
+        const float l = query < p.seqlen_q ? lse_s[row] : INFINITY;
+        lse_log2[mi] = l == -INFINITY ? INFINITY : l * float(M_LOG2E);
+      }
+      do_pipe.consumer_wait(stage);
+      warpgroup_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, s), tdPrdP);
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(tSrS);  // S^T is read only after its GEMM retired
+      // P = exp2(S * scale_log2 - lse * log2(e)) (reference: p = exp(s * scale - lse)); keys past seqlen_k and, causal,
+      // keys past a query's diagonal are masked to P = 0. Only blocks that reach an edge pay for the test.
+      Tensor scores = make_tensor(tSrS.data(), rowcol_t(tSrS.layout()));  // (queries, keys)
+      const bool edge = key0 + kBlockN > p.seqlen_k || (p.causal && key0 + kBlockN - 1 > query0 + diagonal);
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(scores); ++ni) {
+          scores(mi, ni) = exp2f(scores(mi, ni) * p.scale_log2 - lse_log2[mi]);
+        }
+      }
+      if (edge) {
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(scores); ++ni) {
+            const int key = key0 + get<0>(cS_rc(mi, ni)), query = query0 + get<1>(cS_rc(mi, ni));
+            if (key >= p.seqlen_k || (p.causal && key > query + diagonal)) scores(mi, ni) = 0.f;
+          }
+        }
+      }
+      // D of the same queries (shared memory, with dO's stage), read once lse's registers are free, while dP's GEMM
+      // runs.
+      const float* d_s = shared.d.data() + s * Traits::kStatsStage + stats_shift;
+      float d_row[kRows];
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        const int row = get<1>(cS_rc(mi, 0)), query = query0 + row;
+        d_row[mi] = query < p.seqlen_q ? d_s[row] : 0.f;
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tdPrdP);
+      // dS = P * (dP - D) (reference: ds = p * (dp - D)), in dP's registers.
+      Tensor ds = make_tensor(tdPrdP.data(), scores.layout());
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(ds); ++ni) ds(mi, ni) = scores(mi, ni) * (ds(mi, ni) - d_row[mi]);
+      }
+      Tensor rP = make_tensor<Element>(tSrS.layout());
+      convert(tSrS, rP);
+      Tensor rdS = make_tensor<Element>(tdPrdP.layout());
+      convert(tdPrdP, rdS);
+      // dS^T -> sdS[s]. Stage s was last read by dQ's GEMM two query blocks ago, which both warpgroups finished before
+      // either passed the previous block's dS barrier: no barrier needed before the write.
+      copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, s));
+      // dV += P^T dO, P^T straight from registers (relabelled as an A operand).
+      Tensor tdVrP = make_tensor(rP.data(), as_operand_a(tSrS.layout()));
+      warpgroup_gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, s), tdVrdV);
+      // dS visible to the async proxy (wgmma reads shared memory through it), and complete from both warpgroups.
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(Traits::kMmaThreads, kdSBarrier);
+      // dQ = dS K; returns once dV's GEMM retired, so dO's stage is free.
+      Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<M, D>{});
+      warpgroup_gemm<true, 1>(mma_dq, tdQrdS(_, _, _, s), tdQrK, tdQrdQ);
+      do_pipe.consumer_release(stage);
+      // dK += dS^T Q, dS^T from registers; returns once dQ's GEMM retired.
+      Tensor tdKrdS = make_tensor(rdS.data(), as_operand_a(tdPrdP.layout()));
+      warpgroup_gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, s), tdKrdK);
+      warpgroup_fence_operand(tdQrdQ);
+      // This key block's share of dQ to the writer warp, while dK's GEMM runs: into the slab once the writer's previous
+      // reduce has read it, then made visible to TMA (the async proxy).
+      cutlass::arch::NamedBarrier::sync(kdQThreads, kdQEmpty + mma_warpgroup);
+      copy(r2s_dq, thr_r2s_dq.retile_S(tdQrdQ), tdQsdQ);
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQFull + mma_warpgroup);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tdKrdK);
+      q_pipe.consumer_release(stage);  // dK's GEMM, Q's last reader, retired
+    }
+  }
+
+  // ------------------------------------------------------------------------------------------ epilogue
+  // dK = softmax_scale * sum dS^T Q (reference: dk = scale * ds^T q) and dV, for this query head's slice: rows past
+  // seqlen_k are not written. Element pairs, or fp32 pairs where a GQA group is summed by the host afterwards.
+  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<N, D>{}));
+  Tensor cKV_rc = make_tensor(cKV.data(), rowcol(cKV.layout()));  // (keys, columns)
+  Tensor dk = make_tensor(tdKrdK.data(), rowcol(tdKrdK.layout()));
+  Tensor dv = make_tensor(tdVrdV.data(), rowcol(tdVrdV.layout()));
+  const int64_t dk_base = batch * p.dk_batch_stride + head * p.dk_head_stride;
+  const int64_t dv_base = batch * p.dv_batch_stride + head * p.dv_head_stride;
+  cutlass::NumericArrayConverter<Element, float, 2> cvt;
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(dk); ++r) {
+    const int key = n_block * kBlockN + get<0>(cKV_rc(r, 0));
+    if (key >= p.seqlen_k) continue;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(dk); c += 2) {
+      const int col = get<1>(cKV_rc(r, c));
+      const int64_t k_off = dk_base + key * p.dk_row_stride + col, v_off = dv_base + key * p.dv_row_stride + col;
+      cutlass::Array<float, 2> k2, v2;
+      k2[0] = dk(r, c) * p.softmax_scale, k2[1] = dk(r, c + 1) * p.softmax_scale;
+      v2[0] = dv(r, c), v2[1] = dv(r, c + 1);
+      if (p.dkv_fp32) {
+        *reinterpret_cast<cutlass::Array<float, 2>*>(static_cast<float*>(p.dk) + k_off) = k2;
+        *reinterpret_cast<cutlass::Array<float, 2>*>(static_cast<float*>(p.dv) + v_off) = v2;
+      } else {
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(static_cast<Element*>(p.dk) + k_off) = cvt(k2);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(static_cast<Element*>(p.dv) + v_off) = cvt(v2);
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace fa2::sm90

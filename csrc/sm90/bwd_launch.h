@@ -1,0 +1,99 @@
+// Backward: the launches of a plan (common/plan.h) on the Hopper family: the mma.sync family's preprocess (D and
+// dq_accum zeroed) and dQ conversion around this family's main kernel, whose dq_accum is laid out as theirs (row-major
+// fp32, lse's rows). Included only by its generated TUs (sm_90a code, instantiations/axes.json), one (head dim, dtype)
+// each: builds the TMA descriptors of this call's q, k, v and dout.                       docs/tuning.md#sm90-backward
+#pragma once
+
+#include <stdexcept>
+
+#include <cuda_runtime.h>
+
+#include "common/launch.h"
+#include "common/plan.h"
+#include "sm80/bwd_row_kernels.h"
+#include "sm90/api.h"
+#include "sm90/bwd_kernel.h"
+#include "sm90/bwd_traits.h"
+#include "sm90/config.h"
+
+namespace fa2::sm90 {
+
+template <int kHeadDim, DType kDType>
+void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
+  constexpr BwdTileShape kTile = bwd_tile(kHeadDim);
+  using Traits = BwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, kDType>;
+  using Element = typename Traits::Element;
+  static_assert(Traits::kSmemSize <= bwd_smem_bytes(kTile), "config.h sizes the tile");
+  if (plan.family != Family::kSm90 || plan.head_dim != kHeadDim || p.head_dim != kHeadDim ||
+      p.cu_seqlens_q != nullptr || p.deterministic || p.rng_state != nullptr || p.softcap_in > 0.f ||
+      p.alibi_slopes != nullptr || p.window_left >= 0 || p.window_right > 0 ||
+      int64_t(p.batch) * p.nheads * p.seqlen_q > INT32_MAX) {
+    throw std::logic_error("fa2: a backward plan the Hopper family does not serve (host/plan.cpp)");
+  }
+  bind_context();  // before the driver encodes the TMA descriptors (autograd's thread may have no context yet)
+  BwdKernelParams<Traits> k;
+  // q, k, v and dout as TMA sees them: (rows, head dim, heads, batch) with the caller's strides. Rows past a
+  // sequence's end arrive as zeros.
+  auto tma_view = [&](const void* ptr, const Strides& st, int seqlen, int heads) {
+    return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
+                       make_shape(seqlen, int32_t(kHeadDim), heads, int32_t(p.batch)),
+                       make_stride(st.row, _1{}, st.head, st.batch));
+  };
+  Tensor mQ = tma_view(p.q, p.q_stride, p.seqlen_q, p.nheads);
+  Tensor mdO = tma_view(p.dout, p.dout_stride, p.seqlen_q, p.nheads);
+  Tensor mK = tma_view(p.k, p.k_stride, p.seqlen_k, p.nheads_k);
+  Tensor mV = tma_view(p.v, p.v_stride, p.seqlen_k, p.nheads_k);
+  using MD = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>;
+  using ND = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>;
+  k.tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, take<0, 2>(typename Traits::SmemLayoutQ{}), MD{}, _1{});
+  k.tma_do = make_tma_copy(SM90_TMA_LOAD{}, mdO, take<0, 2>(typename Traits::SmemLayoutdO{}), MD{}, _1{});
+  k.tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, typename Traits::SmemLayoutK{}, ND{}, _1{});
+  k.tma_v = make_tma_copy(SM90_TMA_LOAD{}, mV, typename Traits::SmemLayoutV{}, ND{}, _1{});
+  k.shape_q = mQ.shape(), k.shape_k = mK.shape();
+  // lse and d_sum flat, one rank-1 TMA each (the plan checked that the length fits an int and the bases' alignment).
+  const int64_t stats_total = int64_t(p.batch) * p.nheads * p.seqlen_q;
+  auto flat = [&](const float* ptr) {
+    return make_tensor(make_gmem_ptr(ptr), make_shape(int32_t(stats_total)), Stride<_1>{});
+  };
+  using MStats = typename Traits::StatsBox;
+  k.tma_lse = make_tma_copy(SM90_TMA_LOAD{}, flat(p.lse), Layout<MStats>{}, MStats{}, _1{});
+  k.tma_d = make_tma_copy(SM90_TMA_LOAD{}, flat(p.d_sum), Layout<MStats>{}, MStats{}, _1{});
+  k.stats_total = int32_t(stats_total);
+  // dq_accum, row-major fp32 (rows, head dim, heads, batch), as the mma.sync family's preprocess and convert lay it
+  // out.
+  Tensor mdQ = make_tensor(make_gmem_ptr(p.dq_accum),
+                           make_shape(p.seqlen_q, int32_t(kHeadDim), p.nheads, int32_t(p.batch)),
+                           make_stride(int64_t(kHeadDim), _1{}, int64_t(p.seqlen_q) * kHeadDim,
+                                       int64_t(p.nheads) * p.seqlen_q * kHeadDim));
+  k.tma_dq = make_tma_copy(SM90_TMA_REDUCE_ADD{}, mdQ, typename Traits::SmemLayoutdQSlab{}, typename Traits::dQSlab{},
+                           _1{});
+  k.dk = p.dk, k.dv = p.dv, k.dkv_fp32 = p.dkv_fp32;
+  k.dk_row_stride = p.dk_stride.row, k.dk_head_stride = p.dk_stride.head, k.dk_batch_stride = p.dk_stride.batch;
+  k.dv_row_stride = p.dv_stride.row, k.dv_head_stride = p.dv_stride.head, k.dv_batch_stride = p.dv_stride.batch;
+  k.seqlen_q = p.seqlen_q, k.seqlen_k = p.seqlen_k, k.nheads = p.nheads, k.head_group_kv = p.nheads / p.nheads_k;
+  k.scale_log2 = p.scale_log2, k.softmax_scale = p.softmax_scale;
+  k.causal = p.causal();
+  k.head_group = p.head_group;
+
+  constexpr int smem = Traits::kSmemSize;
+  const int limit = block_smem_limit(p);
+  if (smem > limit) throw_smem_too_small("backward", p.head_dim, smem, limit);
+
+  const int rows_per_cta = kRowKernelWarps * (32 / row_lanes(p.head_dim));  // preprocess / convert (sm80)
+  const dim3 row_grid(ceil_div_host(p.seqlen_q, rows_per_cta), p.nheads, p.batch);
+  bwd_preprocess_kernel<Element><<<row_grid, 32 * kRowKernelWarps, 0, stream>>>(p);
+  check_cuda(cudaGetLastError(), "sm90 bwd preprocess launch");
+
+  constexpr auto kernel = &bwd_kernel<Traits>;
+  allow_smem<kernel>(smem, "sm90 bwd smem");
+  // One CTA per (key block, head, batch), key blocks fastest: the CTAs of a head run together and share its Q and dO
+  // in L2. Causal: heaviest first within groups of heads (the plan's head_group; the kernel maps blockIdx).
+  const dim3 grid(ceil_div_host(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
+  kernel<<<grid, kBwdThreads, smem, stream>>>(k);
+  check_cuda(cudaGetLastError(), "sm90 bwd launch");
+
+  bwd_convert_dq_kernel<Element><<<row_grid, 32 * kRowKernelWarps, 0, stream>>>(p);
+  check_cuda(cudaGetLastError(), "sm90 bwd convert launch");
+}
+
+}  // namespace fa2::sm90

@@ -1,0 +1,159 @@
+// What a Hopper backward tile's numbers (config.h: bwd_tile) imply: the five warpgroup MMAs, the shared-memory layouts
+// they read (and the transposed views of the same bytes), the TMA loads, the pipelines and the shared storage. The
+// kernel (bwd_kernel.h) is generic over these.                                            docs/tuning.md#sm90-backward
+#pragma once
+
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "common/dtype.h"
+#include "common/schedule.h"
+#include "sm90/config.h"
+
+namespace fa2::sm90 {
+using namespace cute;
+
+constexpr int kBwdMmaWarpgroups = 2;
+constexpr int kBwdThreads = (1 + kBwdMmaWarpgroups) * kWarpgroupThreads;
+
+// FA3's d128 structure (its SdP_swapAB, Mma_dKV_is_RS): S and dP are computed transposed, rows = keys, so that P^T and
+// dS^T are already the register A operands of dV += P^T dO and dK += dS^T Q, and P never touches shared memory. The
+// two MMA warpgroups stack on the keys for S^T, dP^T, dV and dK (64 keys each) and on the head dim for dQ.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, DType kDType>
+struct BwdTraits {
+  using Element = std::conditional_t<kDType == DType::fp16, cutlass::half_t, cutlass::bfloat16_t>;
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
+  static constexpr int kMmaThreads = kBwdMmaWarpgroups * kWarpgroupThreads;
+  static_assert(kBlockN == 64 * kBwdMmaWarpgroups, "each MMA warpgroup owns 64 keys");
+  using M = Int<kBlockM>;
+  using N = Int<kBlockN>;
+  using D = Int<kHeadDim>;
+
+  // S^T = K Q^T and dP^T = V dO^T: (M = keys, N = queries, K = head dim), both operands K-major in shared memory.
+  using TiledMmaSdP = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<N, M, D>>(),
+                                              Layout<Shape<Int<kBwdMmaWarpgroups>, _1, _1>>{}));
+  // dV += P^T dO and dK += dS^T Q: (M = keys, N = head dim, K = queries). A from registers must be K-major; B is dO
+  // (or Q) read as (head dim, queries) with the head dim contiguous, i.e. MN-major: no transposing copy.
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<N, D, M>, GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<Int<kBwdMmaWarpgroups>, _1, _1>>{}));
+  // dQ = dS K: (M = queries, N = head dim, K = keys); the warpgroups split the head dim (64 queries are one wgmma M).
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<M, Int<kHeadDim / kBwdMmaWarpgroups>, N>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      Layout<Shape<_1, Int<kBwdMmaWarpgroups>, _1>>{}));
+  static_assert(size(TiledMmaSdP{}) == kMmaThreads && size(TiledMmadKV{}) == kMmaThreads &&
+                size(TiledMmadQ{}) == kMmaThreads);
+
+  // Shared memory. Each tile is stored once and read both ways: a swizzle atom's K extent is the slice of the other
+  // dimension one warpgroup's transposed read covers (Q, dO: the whole head dim of dK/dV; K: half the head dim, dQ's
+  // per-warpgroup N), so each transposed view is a whole number of swizzle atoms, which wgmma needs.
+  template <GMMA::Major kMajor, int kMN, int kK>
+  using SmemAtom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<kMajor, Element, Int<kMN>, Int<kK>>());
+  using SmemLayoutQ =
+      decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockM, kHeadDim>{}, Shape<M, D, Int<kStages>>{}));
+  using SmemLayoutdO = SmemLayoutQ;
+  using SmemLayoutK =
+      decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockN, kHeadDim / kBwdMmaWarpgroups>{}, Shape<N, D>{}));
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockN, kHeadDim>{}, Shape<N, D>{}));
+  // dS as dQ's A operand, (queries, keys) with the keys contiguous; one stage per Q stage.
+  using SmemLayoutdS = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockM, kBlockN / kBwdMmaWarpgroups>{},
+                                              Shape<M, N, Int<kStages>>{}, Step<_1, _2, _3>{}));
+  // Transposed views, Xt(c, r, s) = X(r, c, s): a composition with the (cols, rows) -> row + rows * col layout.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_layout(Shape<D, M, Int<kStages>>{}, Stride<M, _1, Int<kBlockM * kHeadDim>>{})));
+  using SmemLayoutdOt = SmemLayoutQt;
+  using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_layout(Shape<D, N>{}, Stride<N, _1>{})));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_layout(Shape<N, M, Int<kStages>>{}, Stride<M, _1, Int<kBlockM * kBlockN>>{})));
+  // The registers hold dS^T (keys, queries) and shared memory wants dS (queries, keys): stmatrix's transposing form.
+  using SmemCopyAtomdS = Copy_Atom<SM90_U16x8_STSM_T, Element>;
+
+  // Global tensors as TMA sees them: (rows, head dim, heads, batch), the head dim contiguous.
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+  template <class SmemLayout, class Tile>
+  using TmaLoad = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                         make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{},
+                                                     StrideQKV{}),
+                                         SmemLayout{}, Tile{}, _1{}));
+  using TmaQ = TmaLoad<decltype(take<0, 2>(SmemLayoutQ{})), Shape<M, D>>;  // also dO's
+  using TmaK = TmaLoad<SmemLayoutK, Shape<N, D>>;
+  using TmaV = TmaLoad<SmemLayoutV, Shape<N, D>>;
+  // lse and D of a query block by a rank-1 TMA over the whole flat (batch, heads, seqlen_q) buffer, so fa2's
+  // unpadded statistics need no padded copy. A box must start on 16 bytes (reported for TMA, not documented): it
+  // starts at the head's first row rounded down to 4 floats and is 4 floats longer, the block's kBlockM floats inside
+  // it at offset (first row & 3). Floats of other heads' rows, or zeros past the buffer, are masked by the MMA warps.
+  using ShapeStats = Shape<int32_t>;
+  static constexpr int kStatsBox = kBlockM + 4, kStatsStage = (kStatsBox + 31) / 32 * 32;  // a stage: 128-byte aligned
+  using StatsBox = Int<kStatsBox>;
+  using TmaStats = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                          make_tensor(make_gmem_ptr(static_cast<float const*>(nullptr)), ShapeStats{},
+                                                      Stride<_1>{}),
+                                          Layout<StatsBox>{}, StatsBox{}, _1{}));
+  // dQ of a query block, staged for the writer warp's TMA reduce-add into the row-major fp32 dq_accum: (M, d), 128-byte
+  // swizzle (8 x 32-float atoms); MMA warpgroup w's slab, columns [64w, 64w + 64), is the first or second half.
+  using dQSlab = Shape<M, Int<kHeadDim / kBwdMmaWarpgroups>>;
+  using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<M, D>{}));
+  using SmemLayoutdQSlab = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, dQSlab{}));
+  using TmadQ = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{},
+                                       make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), ShapeQKV{},
+                                                   StrideQKV{}),
+                                       SmemLayoutdQSlab{}, dQSlab{}, _1{}));
+
+  // A TMA load completes its whole box (rows past the tensor arrive as zeros): these are the bytes to expect, Q's
+  // (or dO's) tile and lse's (or D's) block on the same barrier.
+  static constexpr uint32_t kBytesQ = size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element) + kStatsBox * sizeof(float);
+  static constexpr uint32_t kBytesKV = 2 * size(SmemLayoutK{}) * sizeof(Element);
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;  // Q and dO each, advanced together
+  using PipelineState = cutlass::PipelineState<kStages>;
+
+  // Every tile on a 1024-byte boundary: the 128-byte swizzle repeats every 1 KB, and TMA and the wgmma descriptors
+  // swizzle on absolute shared-memory address bits.
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> v;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutdO>, 1024> dO;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutdS>, 1024> dS;
+    cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>, 1024> dq;
+    cute::array_aligned<float, kStatsStage * kStages, 128> lse;  // a box per stage, with Q's stages
+    cute::array_aligned<float, kStatsStage * kStages, 128> d;    // a box per stage, with dO's stages
+    alignas(16) cutlass::arch::ClusterTransactionBarrier kv_full;  // K and V landed
+    alignas(16) typename Pipeline::SharedStorage q_pipe;
+    alignas(16) typename Pipeline::SharedStorage do_pipe;
+  };
+  static constexpr int kSmemSize = int(sizeof(SharedStorage));
+};
+
+// The kernel's parameters: TMA descriptors in the kernel's parameter space (__grid_constant__), where TMA reads them;
+// the rest is what the statistics, the masks and the dK/dV epilogue need.
+template <class Traits>
+struct BwdKernelParams {
+  typename Traits::TmaQ tma_q, tma_do;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaV tma_v;
+  typename Traits::TmaStats tma_lse, tma_d;  // over lse and d_sum, flat
+  typename Traits::TmadQ tma_dq;             // reduce-add into dq_accum
+  typename Traits::ShapeQKV shape_q, shape_k;  // (seqlen, head dim, heads, batch); shape_k's heads are nheads_k
+  int32_t stats_total;  // batch * nheads * seqlen_q: lse's and d_sum's length (lse: natural log, -inf: no key seen;
+                        // d_sum: D = rowsum(dO * O), which the preprocess writes)
+  void* dk;            // (batch, seqlen_k, nheads, head dim): one slice per query head, Element or fp32 (dkv_fp32)
+  void* dv;
+  int64_t dk_row_stride, dk_head_stride, dk_batch_stride;
+  int64_t dv_row_stride, dv_head_stride, dv_batch_stride;
+  bool dkv_fp32;
+  int seqlen_q, seqlen_k, nheads, head_group_kv;  // head_group_kv: query heads per K/V head
+  float scale_log2;     // softmax_scale * log2(e)
+  float softmax_scale;  // dK's scale (dQ's is the convert kernel's)
+  bool causal;
+  int head_group;  // causal: key blocks go heaviest first within groups of heads (common/schedule.h); 0: grid order
+};
+
+}  // namespace fa2::sm90

@@ -1,0 +1,143 @@
+"""The Hopper backward (csrc/sm90/bwd_*.h; docs/tuning.md#sm90-backward): asked for, it computes dq, dk and dv of
+every call it serves (padded batches at d64 and d128, full or causal, MHA/GQA/MQA, lengths that are not multiples of
+its 64 x 128 tile) within the fp64 reference rule, and the plan sends everything else to the mma.sync backward. Every
+build with the Hopper family has it (a build without arch 90 runs these tests on the mma.sync backward); the kernel
+names of a profile say which family ran. CPU (record mode): the plan's family."""
+import pytest
+import torch
+
+import fa2
+from fa2 import ops
+
+from test_bwd import check_grads, randn
+
+
+def sm90_bwd_built():
+    """Whether this build compiled the Hopper backward: the plan of a d128 call that asks for the Hopper family, in
+    record mode (CPU tensors, no launch)."""
+    if ops._C is None:
+        pytest.skip("fa2._C is not built")
+    if 128 not in fa2.build_info()["bwd_head_dims"]:
+        return False
+    q, k, v = (torch.randn(1, 128, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    ops._C.set_test_overrides(record=True, family="sm90")
+    try:
+        fa2.bwd(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.zeros(1, 2, 128))
+        launches = [launch for launch in ops._C.take_recorded_launches() if launch["kind"] == "bwd"]
+    finally:
+        ops._C.set_test_overrides()
+    return launches[-1]["plan"]["family"] == "sm90"
+
+
+def test_a_build_with_the_hopper_family_has_its_backward(require_kernel):
+    """CPU: the Hopper backward is compiled wherever the Hopper family is (instantiations/axes.json), so a build that
+    lost it fails here instead of quietly running the mma.sync backward."""
+    require_kernel("bwd", 128, torch.bfloat16)
+    info = fa2.build_info()
+    assert sm90_bwd_built() == ("sm90" in info["families"] and 128 in info["bwd_head_dims"]), info
+
+
+def hopper_bwd_expected():
+    return sm90_bwd_built() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def bwd_kernel_names(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if "bwd_kernel" in e.name}
+
+
+SHAPES = [(1, 1), (113, 203), (128, 128), (203, 113), (1000, 1000), (1023, 2048), (2048, 1023)]
+HEADS = [(2, 4, 4), (1, 8, 1), (1, 16, 2)]  # MHA, MQA, GQA 8:1
+GRID = [(d, sq, sk, b, h, hk) for d in (64, 128) for sq, sk in SHAPES for b, h, hk in HEADS]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d,sq,sk,b,h,hk", GRID, ids=["d{}_{}x{}_b{}_h{}kv{}".format(*g) for g in GRID])
+def test_hopper_backward_matches_the_reference(d, sq, sk, b, h, hk, dtype, causal, launch_overrides, require_kernel):
+    require_kernel("bwd", d, dtype)
+    launch_overrides(family="sm90")
+    q = randn(b, sq, h, d, dtype=dtype, requires_grad=True)
+    k, v = (randn(b, sk, hk, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    out = fa2.attention(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    check_grads(got, q, k, v, dout, causal, f"sm90 bwd d{d} {sq}x{sk} b{b} h{h}/{hk} {dtype} causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_backward_with_strided_inputs_and_given_buffers(causal, launch_overrides, require_kernel):
+    """q, k, v as slices of a packed qkv tensor (TMA reads them in place), dq/dk/dv the caller's, every element
+    written."""
+    require_kernel("bwd", 128, torch.bfloat16)
+    launch_overrides(family="sm90")
+    qkv = randn(2, 333, 3, 4, 128)
+    q, k, v = qkv.unbind(2)
+    out, lse = fa2.fwd(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    dq, dk, dv = (torch.full_like(q, float("nan")) for _ in range(3))
+    fa2.bwd(dout, q, k, v, out, lse, causal=causal, dq=dq, dk=dk, dv=dv)
+    check_grads((dq, dk, dv), q, k, v, dout, causal, f"sm90 bwd strided causal={causal}")
+
+
+@pytest.mark.gpu
+def test_the_backward_family_that_runs_is_the_one_planned(launch_overrides, require_kernel):
+    require_kernel("bwd", 128, torch.bfloat16)
+    q, k, v = (randn(2, 300, 4, 128) for _ in range(3))
+    out, lse = fa2.fwd(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    launch_overrides(family="sm90")
+    names = bwd_kernel_names(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=True))
+    assert any("sm90" in n for n in names) == hopper_bwd_expected(), names
+    launch_overrides(family="sm80")
+    names = bwd_kernel_names(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=True))
+    assert names and not any("sm90" in n for n in names), names
+    # What the Hopper backward does not serve falls back by the plan, never by error: deterministic mode, softcap.
+    launch_overrides(family="sm90")
+    for options in (dict(deterministic=True), dict(softcap=30.0)):
+        names = bwd_kernel_names(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=True, **options))
+        assert names and not any("sm90" in n for n in names), (options, names)
+
+
+@pytest.mark.parametrize("options,served", [
+    ({}, True), (dict(causal=True), True), (dict(deterministic=True), False), (dict(softcap=30.0), False),
+    (dict(window_size=(64, 0)), False), (dict(alibi_slopes=torch.ones(4)), False),
+    (dict(dropout_p=0.1, rng_state=torch.tensor([1, 2])), False),
+], ids=["plain", "causal", "deterministic", "softcap", "window", "alibi", "dropout"])
+@pytest.mark.parametrize("d,hk", [(128, 4), (128, 1), (64, 4), (96, 4)], ids=["d128", "d128_mqa", "d64", "d96"])
+def test_the_plan_sends_the_hopper_backward_only_what_it_serves(options, served, d, hk, launch_overrides, recording,
+                                                                require_kernel):
+    """CPU: with the Hopper family asked for, a backward runs on it only where the build has it and it
+    serves the call (d64 and d128 so far, padded, full or causal, no score transform, not deterministic)."""
+    require_kernel("bwd", d, torch.bfloat16)
+    built = sm90_bwd_built()
+    launch_overrides(record=True, family="sm90")
+    q, k, v = torch.randn(1, 256, 4, d, dtype=torch.bfloat16), *(
+        torch.randn(1, 256, hk, d, dtype=torch.bfloat16) for _ in range(2))
+    fa2.bwd(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.zeros(1, 4, 256), **options)
+    kind, launch = recording.calls[-1]
+    assert kind == "bwd"
+    expected = "sm90" if built and served and d in (64, 128) else "sm80"  # sm90/config.h: bwd_has_tile
+    assert launch["plan"]["family"] == expected, (options, launch["plan"])
+    if expected == "sm90":
+        assert launch["plan"]["shape"][1:3] == (64, 128)  # sm90/config.h: bwd_tile(128)
+        # Causal: heaviest key blocks first within head groups (record mode plans groups of 1); else the grid order.
+        assert launch["plan"]["head_group"] == (1 if options.get("causal") else 0), launch["plan"]
+
+
+def test_an_lse_not_on_a_16_byte_boundary_goes_to_the_mma_sync_backward(launch_overrides, recording, require_kernel):
+    """CPU: the Hopper backward loads lse and D by TMA, whose base must be 16-byte aligned; an lse that is a view
+    starting one float into its storage is served, by the mma.sync backward."""
+    require_kernel("bwd", 128, torch.bfloat16)
+    built = sm90_bwd_built()
+    launch_overrides(record=True, family="sm90")
+    q, k, v = (torch.randn(1, 256, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+    for offset, expected in ((0, "sm90" if built else "sm80"), (1, "sm80")):
+        lse = torch.zeros(4 * 256 + offset)[offset:].view(1, 4, 256)
+        fa2.bwd(torch.randn_like(q), q, k, v, torch.randn_like(q), lse)
+        kind, launch = recording.calls[-1]
+        assert kind == "bwd" and launch["plan"]["family"] == expected, (offset, launch["plan"])
