@@ -65,9 +65,8 @@ def write_shim(checkout: str) -> str:
     return root
 
 
-def reason_of(report) -> str:
-    """A failure's or skip's reason, for counting: the exception type and the first line of its message (a skip's
-    reason), digits folded to # so that items differing only in shapes count together."""
+def first_line(report) -> str:
+    """The first line of a failure's message or a skip's reason."""
     if report.skipped:
         longrepr = report.longrepr
         text = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
@@ -75,8 +74,13 @@ def reason_of(report) -> str:
     else:
         crash = getattr(report.longrepr, "reprcrash", None)
         text = crash.message if crash is not None else str(report.longrepr)
-    first = text.strip().splitlines()[0] if text.strip() else "(no message)"
-    return re.sub(r"\d+", "#", first)[:200]
+    return text.strip().splitlines()[0] if text.strip() else "(no message)"
+
+
+def reason_of(report) -> str:
+    """A failure's or skip's reason, for counting: its first line with digits folded to # so that items differing
+    only in shapes count together."""
+    return re.sub(r"\d+", "#", first_line(report))[:200]
 
 
 def stratified(items, n: int, seed: int):
@@ -111,6 +115,7 @@ class Counter:
         self.by_function = collections.defaultdict(collections.Counter)
         self.reasons = {"failed": collections.Counter(), "skipped": collections.Counter()}
         self.examples = {}
+        self.failed = []  # every failed item's id with its message's first line (failures are few)
 
     def pytest_collection_modifyitems(self, session, config, items):
         self.collected = len(items)
@@ -128,6 +133,8 @@ class Counter:
             self.by_function[report.nodeid.split("::")[-1].split("[")[0]][outcome] += 1
             if outcome != "passed":
                 reason = reason_of(report)
+                if outcome == "failed":
+                    self.failed.append(f"{report.nodeid.split('::')[-1]}: {first_line(report)}")
                 self.reasons[outcome][reason] += 1
                 self.examples.setdefault(reason, report.nodeid.split("::")[-1])
 
@@ -140,8 +147,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the sample's seed")
     p.add_argument("--functions", default=None, help="comma list of test functions to collect (default: all)")
     p.add_argument("--out", default=None, help="write the counts here as JSON")
-    p.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
-    args = p.parse_args(argv)
+    p.add_argument("pytest_args", nargs="*", help="after --: passed to pytest (e.g. -- -k ... --tb=long)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # What follows `--` goes to pytest whatever options came before it (argparse alone would take the positional
+    # pytest_args together with the checkout and refuse the rest).
+    pytest_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     checkout = os.path.abspath(args.checkout)
     test_file = os.path.join(checkout, "tests", "test_flash_attn.py")
     if not os.path.isfile(test_file) or not os.path.isdir(os.path.join(checkout, "flash_attn")):
@@ -167,7 +178,7 @@ def main(argv=None) -> int:
     counter = Counter(args.sample, args.seed)
     start = time.time()
     code = pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", os.path.dirname(test_file), *nodes,
-                        *args.pytest_args], plugins=[counter])
+                        *pytest_args], plugins=[counter])
     result = {
         "flash_attn_checkout": checkout, "fa2": fa2.build_info(), "pytest_exit_code": int(code),
         "seconds": round(time.time() - start, 1), "collected": counter.collected, "selected": counter.selected,
@@ -176,6 +187,7 @@ def main(argv=None) -> int:
         "failed_by_reason": dict(counter.reasons["failed"].most_common()),
         "skipped_by_reason": dict(counter.reasons["skipped"].most_common()),
         "example_of_reason": counter.examples,
+        "failed_items": counter.failed,
     }
     try:
         import torch
@@ -189,6 +201,8 @@ def main(argv=None) -> int:
     for outcome in ("failed", "skipped"):
         for reason, count in counter.reasons[outcome].most_common(20):
             print(f"{outcome:8} {count:7}  {reason}  (e.g. {counter.examples[reason]})")
+    for line in counter.failed[:50]:
+        print(f"FAILED {line}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
