@@ -386,6 +386,7 @@ FEATURES = {
     "window128": (True, dict(window_size=(127, 0))), "window1k": (True, dict(window_size=(1023, 0))),
     "window4k": (True, dict(window_size=(4095, 0))),
     "dropout": (False, dict(dropout_p=0.1)), "dropout_causal": (True, dict(dropout_p=0.1)),
+    "deterministic": (False, dict(deterministic=True)), "deterministic_causal": (True, dict(deterministic=True)),
 }
 
 
