@@ -45,10 +45,7 @@ def sdpa_backend(impl):
 def attention_fn(impl, causal, fa2=None, dropout_p=0.0):
     """(batch, seqlen, nheads, hdim) q, k, v in, the same layout out, for every implementation. SDPA gets
     q.transpose(1, 2) views of the same tensors, as a FlashAttention user's code would pass them."""
-    if impl == "fa2":
-        fa2 = fa2 or common.load()
-        return lambda q, k, v: fa2.attention(q, k, v, causal=causal, dropout_p=dropout_p)
-    if impl.startswith("fa2_"):  # one kernel family forced where it serves the call: see forced_step
+    if impl == "fa2" or impl.startswith("fa2_"):  # fa2_<family>: the family is forced around the step (forced_step)
         fa2 = fa2 or common.load()
         return lambda q, k, v: fa2.attention(q, k, v, causal=causal, dropout_p=dropout_p)
     import torch.nn.functional as F

@@ -87,10 +87,9 @@ def overlap(kernels) -> dict:
     compute = union((s, e) for n, s, e in kernels if "nccl" not in n.lower())
     attention = union((s, e) for n, s, e in kernels if ATTENTION_KERNELS.search(n) and "nccl" not in n.lower())
     length = lambda u: sum(e - s for s, e in u) / 1e3  # noqa: E731
-    comm_ms = length(comm)
-    return {"comm_ms": comm_ms, "comm_hidden_ms": covered(comm, compute) / 1e3, "attention_ms": length(attention),
-            "busy_ms": length(union(comm + compute)),
-            "comm_hidden": covered(comm, compute) / 1e3 / comm_ms if comm_ms else None}
+    comm_ms, hidden_ms = length(comm), covered(comm, compute) / 1e3
+    return {"comm_ms": comm_ms, "comm_hidden_ms": hidden_ms, "attention_ms": length(attention),
+            "busy_ms": length(union(comm + compute)), "comm_hidden": hidden_ms / comm_ms if comm_ms else None}
 
 
 def attention_kernels(args, mesh, data, vocab) -> dict:

@@ -74,27 +74,25 @@ int head_group(const FwdParams& p, int resident_ctas, int blocks_per_head) {
   return resident_ctas > 0 ? causal_head_group(p.nheads, resident_ctas, blocks_per_head) : 1;
 }
 
-bool sm90_built(int head_dim, DType dtype) {
+// Whether the build has the Hopper family's forward or backward at (head_dim, dtype) (instantiations/axes.json).
+bool sm90_built(bool backward, int head_dim, DType dtype) {
 #define FA2_SM90(D, T) \
   if (head_dim == D && dtype == DType::T) return true;
-  FA2_FOR_EACH_SM90_FWD(FA2_SM90)
-#undef FA2_SM90
-  return false;
-}
-
-// The Hopper backward's instances (d64 and d128 where arch 90 is built: instantiations/axes.json).
-bool sm90_bwd_built(int head_dim, DType dtype) {
-#define FA2_SM90(D, T) \
-  if (head_dim == D && dtype == DType::T) return true;
-  FA2_FOR_EACH_SM90_BWD(FA2_SM90)
+  if (backward) {
+    FA2_FOR_EACH_SM90_BWD(FA2_SM90)
+  } else {
+    FA2_FOR_EACH_SM90_FWD(FA2_SM90)
+  }
 #undef FA2_SM90
   return false;
 }
 
 // TMA reads q, k and v (and writes o) through descriptors whose base must be 16-byte aligned and whose strides must
 // be multiples of 16 bytes, even along a dimension of size 1 (where the checks in host/checks.cpp let any through).
-bool tma_strides(const Strides& s) { return s.batch % 8 == 0 && s.row % 8 == 0 && s.head % 8 == 0; }
 bool tma_aligned(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+bool tma_tensor(const void* ptr, const Strides& s) {
+  return tma_aligned(ptr) && s.batch % 8 == 0 && s.row % 8 == 0 && s.head % 8 == 0;
+}
 
 // The family a call asks for: the test override, else FA2_FAMILY, else none (0: either; 1: sm80; 2: sm90).
 int requested_family() {
@@ -109,14 +107,13 @@ int requested_family() {
 
 Family forward_family(const FwdParams& p, DType dtype, int head_dim, const DeviceInfo& device) {
   if (requested_family() == 1 || !device.sm90a) return Family::kSm80;
-  const bool serves = sm90_built(head_dim, dtype) &&
+  const bool serves = sm90_built(false, head_dim, dtype) &&
                       sm90::fwd_serves(p.head_dim, p.seqlen_q, p.cache.capacity > 0 || p.cache.block_table != nullptr,
                                        p.window_left, p.window_right,
                                        p.softcap_in > 0.f, p.alibi_slopes != nullptr, p.sink != nullptr,
                                        p.rng_state != nullptr) &&
-                      tma_strides(p.q_stride) && tma_strides(p.k_stride) && tma_strides(p.v_stride) &&
-                      tma_strides(p.o_stride) && tma_aligned(p.q) && tma_aligned(p.k) && tma_aligned(p.v) &&
-                      tma_aligned(p.o) &&
+                      tma_tensor(p.q, p.q_stride) && tma_tensor(p.k, p.k_stride) && tma_tensor(p.v, p.v_stride) &&
+                      tma_tensor(p.o, p.o_stride) &&
                       sm90::fwd_smem_bytes(sm90::fwd_tile(head_dim), head_dim) <= device.smem_limit;
   return serves ? Family::kSm90 : Family::kSm80;
 }
@@ -124,13 +121,12 @@ Family forward_family(const FwdParams& p, DType dtype, int head_dim, const Devic
 // The backward's family: the Hopper one where the build compiled it, for what it serves
 // (sm90/config.h: bwd_serves), with TMA-loadable q, k, v and dout; FA2_FAMILY=sm80 keeps it off.
 Family backward_family(const BwdParams& p, DType dtype, int head_dim, const DeviceInfo& device) {
-  if (requested_family() == 1 || !device.sm90a || !sm90_bwd_built(head_dim, dtype)) return Family::kSm80;
+  if (requested_family() == 1 || !device.sm90a || !sm90_built(true, head_dim, dtype)) return Family::kSm80;
   const bool serves = sm90::bwd_serves(p.head_dim, p.cu_seqlens_q != nullptr, p.window_left, p.window_right,
                                        p.softcap_in > 0.f, p.alibi_slopes != nullptr, p.rng_state != nullptr,
                                        p.deterministic) &&
-                      tma_strides(p.q_stride) && tma_strides(p.k_stride) && tma_strides(p.v_stride) &&
-                      tma_strides(p.dout_stride) && tma_aligned(p.q) && tma_aligned(p.k) && tma_aligned(p.v) &&
-                      tma_aligned(p.dout) && tma_aligned(p.lse) && tma_aligned(p.d_sum) &&
+                      tma_tensor(p.q, p.q_stride) && tma_tensor(p.k, p.k_stride) && tma_tensor(p.v, p.v_stride) &&
+                      tma_tensor(p.dout, p.dout_stride) && tma_aligned(p.lse) && tma_aligned(p.d_sum) &&
                       int64_t(p.batch) * p.nheads * p.seqlen_q <= INT32_MAX &&  // lse and D: one flat TMA each
                       sm90::bwd_smem_bytes(sm90::bwd_tile(head_dim)) <= device.smem_limit;
   return serves ? Family::kSm90 : Family::kSm80;
@@ -219,14 +215,13 @@ BwdPlan plan_backward(BwdParams& p, DType dtype, int head_dim, const DeviceInfo&
   plan.head_dim = head_dim;
   plan.dtype = dtype;
   plan.family = backward_family(p, dtype, head_dim, device);
-  if (plan.family == Family::kSm90) {  // one tile; one CTA per SM, causal key blocks heaviest first in head groups
-    plan.shape = sm90::bwd_tile(plan.head_dim);
-    p.head_group = plan.head_group = head_group(p, device.sm_count, ceil_div_host(p.seqlen_k, plan.shape.block_n));
-    return plan;
+  if (plan.family == Family::kSm90) {
+    plan.shape = sm90::bwd_tile(plan.head_dim);  // one tile
+  } else {
+    plan.tile = bwd_tile_for(plan.head_dim, device.smem_limit, device.code_arch >= 90);
+    plan.shape = bwd_tile_shape(plan.tile, plan.head_dim);
   }
-  plan.tile = bwd_tile_for(plan.head_dim, device.smem_limit, device.code_arch >= 90);
-  plan.shape = bwd_tile_shape(plan.tile, plan.head_dim);
-  // 8 warps of ~250 registers: one CTA per SM.
+  // Either family: one CTA per SM (sm80: 8 warps of ~250 registers), causal key blocks heaviest first in head groups.
   p.head_group = plan.head_group = head_group(p, device.sm_count, ceil_div_host(p.seqlen_k, plan.shape.block_n));
   return plan;
 }
