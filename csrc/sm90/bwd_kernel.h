@@ -38,6 +38,23 @@ constexpr int kdSBarrier = 0;
 constexpr int kdQEmpty = 1, kdQFull = 1 + kBwdMmaWarpgroups;
 constexpr int kdQThreads = kWarpgroupThreads + 32;
 
+// Deterministic mode's turns (one lane each): key block n adds its dQ share of a query block once the semaphore says
+// the n key blocks before it have (every key block before a visiting one visits too: causal blocks start later in
+// the queries, never earlier), then passes the turn on once its adds are complete in global memory.
+__device__ __forceinline__ void wait_for_turn(const int* semaphore, int turn) {
+  int seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(semaphore) : "memory");
+  } while (seen != turn);
+  asm volatile("fence.proxy.async.global;" ::: "memory");  // the TMA adds that follow come after the acquire
+}
+
+__device__ __forceinline__ void pass_turn(int* semaphore) {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds done, not only their reads of the slab
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT BwdKernelParams<Traits> const p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -99,7 +116,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       const bool leader = cute::elect_one_sync();
       Tensor mdQ = p.tma_dq.get_tma_tensor(p.shape_q)(_, _, head, batch);                    // (rows, d)
       Tensor gdQ = local_tile(mdQ, typename Traits::dQSlab{}, make_coord(_, _));           // (M, d/2, m, w)
+      // Deterministic: the adds into a query block's dQ in key-block order, so the sums round the same every run.
+      int* semaphore = p.dq_semaphore ? p.dq_semaphore + (batch * p.nheads + head) * p.m_blocks : nullptr;
       for (int m = m_begin; m < m_end; ++m) {
+        if (semaphore && leader) wait_for_turn(semaphore + m, n_block);
+        __syncwarp();
         CUTE_UNROLL
         for (int w = 0; w < kBwdMmaWarpgroups; ++w) {
           Tensor sdQw = make_tensor(make_smem_ptr(shared.dq.data() + w * cosize(typename Traits::SmemLayoutdQSlab{})),
@@ -121,6 +142,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         if (leader) tma_store_wait<0>();
         __syncwarp();
         if (m + 1 < m_end) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + 1);
+        if (semaphore && leader) pass_turn(semaphore + m);
+        __syncwarp();
       }
       return;
     }

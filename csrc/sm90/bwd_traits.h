@@ -154,6 +154,8 @@ struct BwdKernelParams {
   float softmax_scale;  // dK's scale (dQ's is the convert kernel's)
   bool causal;
   int head_group;  // causal: key blocks go heaviest first within groups of heads (common/schedule.h); 0: grid order
+  int* dq_semaphore;  // deterministic: (batch, head, query block) -> key blocks whose dQ share is in; else null
+  int m_blocks;       // query blocks per head
 };
 
 }  // namespace fa2::sm90
