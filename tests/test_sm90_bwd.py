@@ -105,16 +105,18 @@ def test_the_backward_family_that_runs_is_the_one_planned(launch_overrides, requ
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d,sq,sk,h,hk", [(128, 1000, 1000, 4, 2), (64, 1023, 2048, 4, 4), (128, 2048, 1023, 2, 1)],
-                         ids=["d128_1000x1000_gqa", "d64_1023x2048", "d128_2048x1023_mqa"])
-def test_hopper_deterministic_backward_is_bitwise_repeatable(d, sq, sk, h, hk, causal, launch_overrides,
+@pytest.mark.parametrize("d,b,sq,sk,h,hk", [(128, 2, 1000, 1000, 4, 2), (64, 2, 1023, 2048, 4, 4),
+                                             (128, 2, 2048, 1023, 2, 1), (128, 4, 2048, 2048, 16, 16)],
+                         ids=["d128_1000x1000_gqa", "d64_1023x2048", "d128_2048x1023_mqa", "d128_2048_b4h16_waves"])
+def test_hopper_deterministic_backward_is_bitwise_repeatable(d, b, sq, sk, h, hk, causal, launch_overrides,
                                                             require_kernel):
     """deterministic=True on the Hopper backward: the key blocks add their dQ shares in turn, so three runs agree bit
-    for bit (dq, dk, dv) and meet the reference; the kernel that ran is the Hopper family's."""
+    for bit (dq, dk, dv) and meet the reference; the kernel that ran is the Hopper family's. The last shape is 1024
+    CTAs, several waves on any GPU: CTAs wait for others that started before them, never for one not yet resident."""
     require_kernel("bwd", d, torch.bfloat16)
     launch_overrides(family="sm90")
-    q = randn(2, sq, h, d)
-    k, v = (randn(2, sk, hk, d) for _ in range(2))
+    q = randn(b, sq, h, d)
+    k, v = (randn(b, sk, hk, d) for _ in range(2))
     out, lse = fa2.fwd(q, k, v, causal=causal)
     dout = torch.randn_like(out)
     runs = [fa2.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=True) for _ in range(3)]

@@ -341,7 +341,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
   std::optional<Tensor> dq_semaphore;
   if (deterministic && plan.family == Family::kSm90) {
     const int64_t m_blocks = (s.seqlen_q + plan.shape.block_m - 1) / plan.shape.block_m;
-    dq_semaphore = new_tensor(q, {int64_t(s.batch) * nheads * m_blocks}, ScalarType::Int);
+    dq_semaphore = new_tensor(q, {int64_t(s.batch) * nheads * m_blocks + 1}, ScalarType::Int);  // + the tickets
     p.dq_semaphore = static_cast<int*>(dq_semaphore->data_ptr());
   }
   launch_bwd(p, plan, q.get_device_index());

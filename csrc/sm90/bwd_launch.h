@@ -25,6 +25,7 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   using Element = typename Traits::Element;
   static_assert(Traits::kSmemSize <= bwd_smem_bytes(kTile), "config.h sizes the tile");
   if (plan.family != Family::kSm90 || plan.head_dim != kHeadDim || p.head_dim != kHeadDim ||
+      plan.shape.block_m != Traits::kBlockM ||  // ops.cpp sizes the deterministic semaphores with it
       p.cu_seqlens_q != nullptr || p.deterministic != (p.dq_semaphore != nullptr) || p.rng_state != nullptr ||
       p.softcap_in > 0.f ||
       p.alibi_slopes != nullptr || p.window_left >= 0 || p.window_right > 0 ||
@@ -87,7 +88,7 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   bwd_preprocess_kernel<Element><<<row_grid, 32 * kRowKernelWarps, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "sm90 bwd preprocess launch");
   if (p.dq_semaphore) {
-    const size_t bytes = sizeof(int) * size_t(p.batch) * p.nheads * k.m_blocks;
+    const size_t bytes = sizeof(int) * (size_t(p.batch) * p.nheads * k.m_blocks + 1);  // the semaphores, the tickets
     check_cuda(cudaMemsetAsync(p.dq_semaphore, 0, bytes, stream), "sm90 bwd semaphore zeroing");
   }
 
