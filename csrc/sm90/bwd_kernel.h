@@ -133,7 +133,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       const bool leader = cute::elect_one_sync();
       Tensor mdQ = p.tma_dq.get_tma_tensor(p.shape_q)(_, _, head, batch);                    // (rows, d)
       Tensor gdQ = local_tile(mdQ, typename Traits::dQSlab{}, make_coord(_, _));           // (M, d/2, m, w)
-      // Deterministic: the adds into a query block's dQ in key-block order, so the sums round the same every run.
+      // Deterministic: the adds into a query block's dQ in a fixed order (wait_for_turn), so the sums round the same
+      // every run.
       // The semaphores are (query block, batch, head): the heads polling at once sit on different lines.
       int* semaphore = p.dq_semaphore ? p.dq_semaphore + batch * p.nheads + head : nullptr;
       const int semaphore_stride = int(gridDim.z) * p.nheads;
