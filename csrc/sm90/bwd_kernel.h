@@ -278,17 +278,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<N, M>{});
       q_pipe.consumer_wait(stage);
       warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
-      // lse of this thread's queries (shared memory, with Q's stage), read while the GEMMs run. Rows past seqlen_q
-      // (the box ran into the next head's, or zeros), and rows that saw no key in the forward (lse = -inf), get
-      // lse = +inf so that P = 0 there (sm80/bwd_tile.h does the same).
-      const float* lse_s = shared.lse.data() + s * Traits::kStatsStage + stats_shift;
-      float lse_log2[kRows];
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
-        const int row = get<1>(cS_rc(mi, 0)), query = query0 + row;
-        const float l = query < p.seqlen_q ? lse_s[row] : INFINITY;
-        lse_log2[mi] = l == -INFINITY ? INFINITY : l * float(M_LOG2E);
-      }
       do_pipe.consumer_wait(stage);
       warpgroup_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, s), tdPrdP);
       warpgroup_wait<1>();
@@ -297,11 +286,18 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       // keys past a query's diagonal are masked to P = 0. Only blocks that reach an edge pay for the test.
       Tensor scores = make_tensor(tSrS.data(), rowcol_t(tSrS.layout()));  // (queries, keys)
       const bool edge = key0 + kBlockN > p.seqlen_k || (p.causal && key0 + kBlockN - 1 > query0 + diagonal);
+      // lse of each query as its row is used, from shared memory (Q's stage): kRows registers held across the GEMMs
+      // spilled at 128 queries per block. Rows past seqlen_q (the box ran into the next head's, or zeros), and rows
+      // that saw no key in the forward (lse = -inf), get lse = +inf so that P = 0 there (sm80/bwd_tile.h does the same).
+      const float* lse_s = shared.lse.data() + s * Traits::kStatsStage + stats_shift;
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
+        const int row = get<1>(cS_rc(mi, 0)), query = query0 + row;
+        const float l = query < p.seqlen_q ? lse_s[row] : INFINITY;
+        const float lse_log2 = l == -INFINITY ? INFINITY : l * float(M_LOG2E);
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(scores); ++ni) {
-          scores(mi, ni) = exp2f(scores(mi, ni) * p.scale_log2 - lse_log2[mi]);
+          scores(mi, ni) = exp2f(scores(mi, ni) * p.scale_log2 - lse_log2);
         }
       }
       if (edge) {
@@ -314,23 +310,17 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
           }
         }
       }
-      // D of the same queries (shared memory, with dO's stage), read once lse's registers are free, while dP's GEMM
-      // runs.
-      const float* d_s = shared.d.data() + s * Traits::kStatsStage + stats_shift;
-      float d_row[kRows];
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
-        const int row = get<1>(cS_rc(mi, 0)), query = query0 + row;
-        d_row[mi] = query < p.seqlen_q ? d_s[row] : 0.f;
-      }
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdPrdP);
       // dS = P * (dP - D) (reference: ds = p * (dp - D)), in dP's registers.
       Tensor ds = make_tensor(tdPrdP.data(), scores.layout());
+      const float* d_s = shared.d.data() + s * Traits::kStatsStage + stats_shift;  // D: with dO's stage, as lse
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
+        const int row = get<1>(cS_rc(mi, 0)), query = query0 + row;
+        const float d_row = query < p.seqlen_q ? d_s[row] : 0.f;
         CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(ds); ++ni) ds(mi, ni) = scores(mi, ni) * (ds(mi, ni) - d_row[mi]);
+        for (int ni = 0; ni < size<1>(ds); ++ni) ds(mi, ni) = scores(mi, ni) * (ds(mi, ni) - d_row);
       }
       Tensor rP = make_tensor<Element>(tSrS.layout());
       convert(tSrS, rP);

@@ -49,7 +49,7 @@ constexpr bool fwd_serves(int head_dim, int seqlen_q, bool kvcache, int /*window
 // and the non-causal 80 x 128 are later steps.
 constexpr bool bwd_has_tile(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
-constexpr BwdTileShape bwd_tile(int head_dim) { return {head_dim, 64, 128, 2, false, false}; }
+constexpr BwdTileShape bwd_tile(int head_dim) { return {head_dim, head_dim == 64 ? 128 : 64, 128, 2, false, false}; }
 
 // Shared memory of a tile: K and V, two stages of Q, dO and dS (2-byte elements), each stage's lse and D (floats),
 // dQ's fp32 staging, plus the barriers; bwd_launch.h asserts the traits' SharedStorage fits it.
