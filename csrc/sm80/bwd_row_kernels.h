@@ -37,7 +37,8 @@ __global__ void bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
   if (!valid) return;
   const int64_t bh_row = seq.stats_row + row;
   if (sub == 0) p.d_sum[bh_row] = dot;
-  if (p.deterministic) return;  // dQ comes from bwd_dq_kernel; the accumulator is unused
+  // mma.sync's deterministic dQ comes from bwd_dq_kernel (the accumulator unused); the Hopper one still adds into it.
+  if (p.deterministic && p.dq_semaphore == nullptr) return;
   float* dq_accum = p.dq_accum + bh_row * p.head_dim;
   for (int c = sub * 4; c < p.head_dim; c += lanes * 4) *reinterpret_cast<float4*>(dq_accum + c) = float4{0, 0, 0, 0};
 }
