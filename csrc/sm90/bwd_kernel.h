@@ -204,11 +204,15 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
     Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
     Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
-    // dQ's registers -> this warpgroup's staging slab (64-bit stores; the swizzle keeps them free of bank conflicts).
-    Tensor sdQ = make_tensor(make_smem_ptr(shared.dq.data()), typename Traits::SmemLayoutdQ{});  // (M, d)
-    auto r2s_dq = make_tiled_copy_C(Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<64>, float>{}, mma_dq);
-    auto thr_r2s_dq = r2s_dq.get_thread_slice(tid);
-    Tensor tdQsdQ = thr_r2s_dq.partition_D(as_position_independent_swizzle_tensor(sdQ));
+    // dQ's registers -> this warpgroup's staging slab: each thread's value pairs and their byte offsets in the slab
+    // (SmemLayoutdQ's swizzle applied to the byte offset, as TMA reads it; the slab is 1024-byte aligned).
+    Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<M, D>{}));
+    Tensor cdQ_rc = make_tensor(cdQ.data(), rowcol(cdQ.layout()));  // (2 rows, d / 4 columns) of this thread
+    const bool odd_row = get<0>(cdQ_rc(0, 0)) % 2;
+    auto dq_byte = [&](int h, int c) {
+      constexpr typename Traits::SmemLayoutdQ layout{};
+      return layout.layout_a()(int(sizeof(float)) * layout.layout_b()(cdQ_rc(h, c)));
+    };
     const int mma_warpgroup = warpgroup - 1;
     // Stands in for the writer's first "empty": the slab starts free.
     if (warp % 4 == 0) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + mma_warpgroup);
@@ -309,7 +313,22 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       // This key block's share of dQ to the writer warp, while dK's GEMM runs: into the slab once the writer's previous
       // reduce has read it, then made visible to TMA (the async proxy).
       cutlass::arch::NamedBarrier::sync(kdQThreads, kdQEmpty + mma_warpgroup);
-      copy(r2s_dq, thr_r2s_dq.retile_S(tdQrdQ), tdQsdQ);
+      // 64-bit stores in an order free of bank conflicts: a half-warp's store is 4 rows x 32 bytes, and with the
+      // 128-byte swizzle rows 2i and 2i+1 of one column group share banks (4 wavefronts where 2 do: ncu, session 19),
+      // so odd rows store column group g ^ 2 while even rows store g (bench/dq_banks.cu checks the addresses).
+      Tensor dq = make_tensor(tdQrdQ.data(), rowcol(tdQrdQ.layout()));  // (2 rows, d / 4 columns)
+      static_assert(decltype(size<1>(dq))::value % 8 == 0, "whole swizzle rows of 4 column groups per warpgroup");
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        CUTE_UNROLL
+        for (int g = 0; g < size<1>(dq) / 2; ++g) {
+          const int gs = g ^ 2;  // the same 128-byte row of the swizzle atom (4 groups of 8 floats)
+          const int c = 2 * g, cs = 2 * gs;
+          const float2 v = odd_row ? make_float2(dq(h, cs), dq(h, cs + 1)) : make_float2(dq(h, c), dq(h, c + 1));
+          const int byte = odd_row ? dq_byte(h, cs) : dq_byte(h, c);
+          *reinterpret_cast<float2*>(reinterpret_cast<char*>(shared.dq.data()) + byte) = v;
+        }
+      }
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQFull + mma_warpgroup);
       warpgroup_wait<0>();
