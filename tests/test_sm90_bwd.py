@@ -96,15 +96,40 @@ def test_the_backward_family_that_runs_is_the_one_planned(launch_overrides, requ
     launch_overrides(family="sm80")
     names = bwd_kernel_names(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=True))
     assert names and not any("sm90" in n for n in names), names
-    # What the Hopper backward does not serve falls back by the plan, never by error: deterministic mode, softcap.
+    # What the Hopper backward does not serve falls back by the plan, never by error: softcap, here.
     launch_overrides(family="sm90")
-    for options in (dict(deterministic=True), dict(softcap=30.0)):
+    for options in (dict(softcap=30.0),):
         names = bwd_kernel_names(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=True, **options))
         assert names and not any("sm90" in n for n in names), (options, names)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,b,sq,sk,h,hk", [(128, 2, 1000, 1000, 4, 2), (64, 2, 1023, 2048, 4, 4),
+                                             (128, 2, 2048, 1023, 2, 1), (128, 4, 2048, 2048, 16, 16)],
+                         ids=["d128_1000x1000_gqa", "d64_1023x2048", "d128_2048x1023_mqa", "d128_2048_b4h16_waves"])
+def test_hopper_deterministic_backward_is_bitwise_repeatable(d, b, sq, sk, h, hk, causal, launch_overrides,
+                                                            require_kernel):
+    """deterministic=True on the Hopper backward: the key blocks add their dQ shares in turn, so three runs agree bit
+    for bit (dq, dk, dv) and meet the reference; the kernel that ran is the Hopper family's. The last shape is 1024
+    CTAs, several waves on any GPU: CTAs wait for others that started before them, never for one not yet resident."""
+    require_kernel("bwd", d, torch.bfloat16)
+    launch_overrides(family="sm90")
+    q = randn(b, sq, h, d)
+    k, v = (randn(b, sk, hk, d) for _ in range(2))
+    out, lse = fa2.fwd(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    runs = [fa2.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=True) for _ in range(3)]
+    for other in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], other):
+            assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+    check_grads(runs[0], q, k, v, dout, causal, f"sm90 deterministic d{d} {sq}x{sk} h{h}/{hk} causal={causal}")
+    names = bwd_kernel_names(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=True))
+    assert any("sm90" in n for n in names) == hopper_bwd_expected(), names
+
+
 @pytest.mark.parametrize("options,served", [
-    ({}, True), (dict(causal=True), True), (dict(deterministic=True), False), (dict(softcap=30.0), False),
+    ({}, True), (dict(causal=True), True), (dict(deterministic=True), True), (dict(softcap=30.0), False),
     (dict(window_size=(64, 0)), False), (dict(alibi_slopes=torch.ones(4)), False),
     (dict(dropout_p=0.1, rng_state=torch.tensor([1, 2])), False),
 ], ids=["plain", "causal", "deterministic", "softcap", "window", "alibi", "dropout"])
@@ -112,7 +137,7 @@ def test_the_backward_family_that_runs_is_the_one_planned(launch_overrides, requ
 def test_the_plan_sends_the_hopper_backward_only_what_it_serves(options, served, d, hk, launch_overrides, recording,
                                                                 require_kernel):
     """CPU: with the Hopper family asked for, a backward runs on it only where the build has it and it
-    serves the call (d64 and d128 so far, padded, full or causal, no score transform, not deterministic)."""
+    serves the call (d64 and d128 so far, padded, full or causal, no score transform)."""
     require_kernel("bwd", d, torch.bfloat16)
     built = sm90_bwd_built()
     launch_overrides(record=True, family="sm90")

@@ -138,6 +138,9 @@ struct BwdParams : FwdParams {
   float* d_sum = nullptr;     // D = rowsum(dO * O), laid out like lse; fp32 workspace
   Strides dout_stride, dq_stride, dk_stride, dv_stride;
   bool deterministic = false;
+  // Deterministic Hopper backward: per (query block, batch, head), how many key blocks have added their dQ share, then
+  // one counter of the CTAs' tickets (int32, zeroed by the launch); null otherwise.
+  int* dq_semaphore = nullptr;
 };
 
 }  // namespace fa2

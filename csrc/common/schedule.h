@@ -17,13 +17,19 @@ struct BlockHead {
 
 // kHeavyLast: the heaviest block has the highest index (forward: a query block sees more keys the later
 // it is); otherwise block 0 is the heaviest (backward: key block 0 is seen by every query).
+// (x, y): the CTA's place in the dispatch order, blockIdx unless the kernel draws it from a ticket.
+template <bool kHeavyLast>
+__device__ __forceinline__ BlockHead scheduled_block(int head_group, int x, int y) {
+  if (head_group == 0) return {x, y};
+  const int group = head_group;
+  const int rank = x + int(gridDim.x) * (y % group);  // dispatch order within the group
+  const int heaviness = rank / group;                 // 0 = heaviest
+  return {kHeavyLast ? int(gridDim.x) - 1 - heaviness : heaviness, y - y % group + rank % group};
+}
+
 template <bool kHeavyLast>
 __device__ __forceinline__ BlockHead scheduled_block(int head_group) {
-  if (head_group == 0) return {int(blockIdx.x), int(blockIdx.y)};
-  const int group = head_group;
-  const int rank = blockIdx.x + gridDim.x * (blockIdx.y % group);  // dispatch order within the group
-  const int heaviness = rank / group;                               // 0 = heaviest
-  return {kHeavyLast ? int(gridDim.x) - 1 - heaviness : heaviness, int(blockIdx.y) - int(blockIdx.y) % group + rank % group};
+  return scheduled_block<kHeavyLast>(head_group, int(blockIdx.x), int(blockIdx.y));
 }
 
 template <bool kHeavyLast>

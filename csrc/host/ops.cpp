@@ -337,6 +337,13 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
   p.deterministic = deterministic;
   p.dkv_fp32 = grouped;
   const BwdPlan plan = plan_backward(p, dtype, kernel_dim, device_info(p));
+  // The Hopper backward adds dQ from every key block into dq_accum; deterministic, it takes turns per query block.
+  std::optional<Tensor> dq_semaphore;
+  if (deterministic && plan.family == Family::kSm90) {
+    const int64_t m_blocks = (s.seqlen_q + plan.shape.block_m - 1) / plan.shape.block_m;
+    dq_semaphore = new_tensor(q, {int64_t(s.batch) * nheads * m_blocks + 1}, ScalarType::Int);  // + the tickets
+    p.dq_semaphore = static_cast<int*>(dq_semaphore->data_ptr());
+  }
   launch_bwd(p, plan, q.get_device_index());
   if (grouped) {
     const int64_t group = nheads / nheads_k;

@@ -38,6 +38,28 @@ constexpr int kdSBarrier = 0;
 constexpr int kdQEmpty = 1, kdQFull = 1 + kBwdMmaWarpgroups;
 constexpr int kdQThreads = kWarpgroupThreads + 32;
 
+// Deterministic mode's turns (one lane each): a key block adds its dQ share of a query block once the semaphore says
+// the key blocks before it in the turn order have, then passes the turn on once its adds are complete in global
+// memory. The key blocks that visit query block m are [0, n_vis(m)) (causal blocks start later in the queries, never
+// earlier). Full attention: turns in key-block order. Causal: from the last visitor down (FA3's order), with the
+// lightest key blocks dispatched first, so a CTA only waits for blocks that started before it at later queries and
+// are ahead of it; in key-block order every CTA of a head would trail key block 0 to the end.
+__device__ __forceinline__ void wait_for_turn(const int* semaphore, int turn) {
+  int seen;
+  while (true) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(semaphore) : "memory");
+    if (seen == turn) break;
+    __nanosleep(64);  // fewer polls of the line the adder is about to release
+  }
+  asm volatile("fence.proxy.async.global;" ::: "memory");  // the TMA adds that follow come after the acquire
+}
+
+__device__ __forceinline__ void pass_turn(int* semaphore) {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds done, not only their reads of the slab
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT BwdKernelParams<Traits> const p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -51,9 +73,21 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
   const int warp = cutlass::canonical_warp_idx_sync();
   const int warpgroup = cutlass::canonical_warp_group_idx();
-  // Causal: key block 0 (seen by every query) is the heaviest; the heaviest blocks of a group of heads go first.
-  const BlockHead work = scheduled_block</*kHeavyLast=*/false>(p.head_group);
-  const int n_block = work.block, head = work.head, batch = blockIdx.z, head_kv = head / p.head_group_kv;
+  // Deterministic: each CTA takes its place in the order from a ticket drawn as it starts (the counter after the
+  // semaphores), so the CTAs it waits for have started, whatever order the hardware dispatches blockIdx in.
+  int x = blockIdx.x, y = blockIdx.y, z = blockIdx.z;
+  if (p.dq_semaphore) {
+    if (threadIdx.x == 0) shared.ticket = atomicAdd(p.dq_semaphore + p.m_blocks * gridDim.z * p.nheads, 1);
+    __syncthreads();
+    const int ticket = shared.ticket;
+    x = ticket % gridDim.x, y = ticket / gridDim.x % gridDim.y, z = ticket / (gridDim.x * gridDim.y);
+  }
+  // Causal: key block 0 (seen by every query) is the heaviest; the heaviest blocks of a group of heads go first,
+  // except in deterministic mode, where the lightest go first (the turn order above).
+  const bool lightest_first = p.dq_semaphore != nullptr && p.causal;
+  const BlockHead work = lightest_first ? scheduled_block</*kHeavyLast=*/true>(max(p.head_group, 1), x, y)
+                                        : scheduled_block</*kHeavyLast=*/false>(p.head_group, x, y);
+  const int n_block = work.block, head = work.head, batch = z, head_kv = head / p.head_group_kv;
   // Bottom-right aligned: query i sees key j iff j <= i + diagonal (causal). The query blocks that see a key of this
   // block are [m_begin, m_end); none (a causal block past every row's diagonal): dK = dV = 0 are still written.
   const int diagonal = p.seqlen_k - p.seqlen_q;
@@ -99,7 +133,18 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       const bool leader = cute::elect_one_sync();
       Tensor mdQ = p.tma_dq.get_tma_tensor(p.shape_q)(_, _, head, batch);                    // (rows, d)
       Tensor gdQ = local_tile(mdQ, typename Traits::dQSlab{}, make_coord(_, _));           // (M, d/2, m, w)
+      // Deterministic: the adds into a query block's dQ in a fixed order (wait_for_turn), so the sums round the same
+      // every run.
+      // The semaphores are (query block, batch, head): the heads polling at once sit on different lines.
+      int* semaphore = p.dq_semaphore ? p.dq_semaphore + batch * p.nheads + head : nullptr;
+      const int semaphore_stride = int(gridDim.z) * p.nheads;
       for (int m = m_begin; m < m_end; ++m) {
+        if (semaphore && leader) {
+          const int visitors = p.causal ? min(int(gridDim.x), (m * kBlockM + kBlockM - 1 + diagonal) / kBlockN + 1)
+                                        : int(gridDim.x);
+          wait_for_turn(semaphore + m * semaphore_stride, p.causal ? visitors - 1 - n_block : n_block);
+        }
+        __syncwarp();
         CUTE_UNROLL
         for (int w = 0; w < kBwdMmaWarpgroups; ++w) {
           Tensor sdQw = make_tensor(make_smem_ptr(shared.dq.data() + w * cosize(typename Traits::SmemLayoutdQSlab{})),
@@ -121,6 +166,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         if (leader) tma_store_wait<0>();
         __syncwarp();
         if (m + 1 < m_end) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + 1);
+        if (semaphore && leader) pass_turn(semaphore + m * semaphore_stride);
+        __syncwarp();
       }
       return;
     }

@@ -25,7 +25,9 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   using Element = typename Traits::Element;
   static_assert(Traits::kSmemSize <= bwd_smem_bytes(kTile), "config.h sizes the tile");
   if (plan.family != Family::kSm90 || plan.head_dim != kHeadDim || p.head_dim != kHeadDim ||
-      p.cu_seqlens_q != nullptr || p.deterministic || p.rng_state != nullptr || p.softcap_in > 0.f ||
+      plan.shape.block_m != Traits::kBlockM ||  // ops.cpp sizes the deterministic semaphores with it
+      p.cu_seqlens_q != nullptr || p.deterministic != (p.dq_semaphore != nullptr) || p.rng_state != nullptr ||
+      p.softcap_in > 0.f ||
       p.alibi_slopes != nullptr || p.window_left >= 0 || p.window_right > 0 ||
       int64_t(p.batch) * p.nheads * p.seqlen_q > INT32_MAX) {
     throw std::logic_error("fa2: a backward plan the Hopper family does not serve (host/plan.cpp)");
@@ -74,6 +76,8 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   k.scale_log2 = p.scale_log2, k.softmax_scale = p.softmax_scale;
   k.causal = p.causal();
   k.head_group = p.head_group;
+  k.dq_semaphore = p.dq_semaphore;
+  k.m_blocks = ceil_div_host(p.seqlen_q, Traits::kBlockM);
 
   constexpr int smem = Traits::kSmemSize;
   const int limit = block_smem_limit(p);
@@ -83,6 +87,10 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   const dim3 row_grid(ceil_div_host(p.seqlen_q, rows_per_cta), p.nheads, p.batch);
   bwd_preprocess_kernel<Element><<<row_grid, 32 * kRowKernelWarps, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "sm90 bwd preprocess launch");
+  if (p.dq_semaphore) {
+    const size_t bytes = sizeof(int) * (size_t(p.batch) * p.nheads * k.m_blocks + 1);  // the semaphores, the tickets
+    check_cuda(cudaMemsetAsync(p.dq_semaphore, 0, bytes, stream), "sm90 bwd semaphore zeroing");
+  }
 
   constexpr auto kernel = &bwd_kernel<Traits>;
   allow_smem<kernel>(smem, "sm90 bwd smem");

@@ -128,6 +128,7 @@ struct BwdTraits {
     alignas(16) cutlass::arch::ClusterTransactionBarrier kv_full;  // K and V landed
     alignas(16) typename Pipeline::SharedStorage q_pipe;
     alignas(16) typename Pipeline::SharedStorage do_pipe;
+    int ticket;  // deterministic mode: this CTA's place in the order (bwd_kernel.h)
   };
   static constexpr int kSmemSize = int(sizeof(SharedStorage));
 };
@@ -154,6 +155,8 @@ struct BwdKernelParams {
   float softmax_scale;  // dK's scale (dQ's is the convert kernel's)
   bool causal;
   int head_group;  // causal: key blocks go heaviest first within groups of heads (common/schedule.h); 0: grid order
+  int* dq_semaphore;  // deterministic: (query block, batch, head) -> key blocks whose dQ share is in, then the tickets
+  int m_blocks;       // query blocks per head
 };
 
 }  // namespace fa2::sm90
