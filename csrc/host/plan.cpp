@@ -123,7 +123,8 @@ Family forward_family(const FwdParams& p, DType dtype, int head_dim, const Devic
 Family backward_family(const BwdParams& p, DType dtype, int head_dim, const DeviceInfo& device) {
   if (requested_family() == 1 || !device.sm90a || !sm90_built(true, head_dim, dtype)) return Family::kSm80;
   const bool serves = sm90::bwd_serves(p.head_dim, p.cu_seqlens_q != nullptr, p.window_left, p.window_right,
-                                       p.softcap_in > 0.f, p.alibi_slopes != nullptr, p.rng_state != nullptr) &&
+                                       p.softcap_in > 0.f, p.alibi_slopes != nullptr, p.rng_state != nullptr,
+                                       p.deterministic) &&
                       tma_tensor(p.q, p.q_stride) && tma_tensor(p.k, p.k_stride) && tma_tensor(p.v, p.v_stride) &&
                       tma_tensor(p.dout, p.dout_stride) && tma_aligned(p.lse) && tma_aligned(p.d_sum) &&
                       int64_t(p.batch) * p.nheads * p.seqlen_q <= INT32_MAX &&  // lse and D: one flat TMA each
