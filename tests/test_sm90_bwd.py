@@ -1,8 +1,8 @@
 """The Hopper backward (csrc/sm90/bwd_*.h; docs/tuning.md#sm90-backward): asked for, it computes dq, dk and dv of
-every call it serves (padded batches at d64 and d128, full or causal, MHA/GQA/MQA, lengths that are not multiples of
-its 64 x 128 tile) within the fp64 reference rule, and the plan sends everything else to the mma.sync backward. Every
-build with the Hopper family has it (a build without arch 90 runs these tests on the mma.sync backward); the kernel
-names of a profile say which family ran. CPU (record mode): the plan's family."""
+every call it serves (padded batches at d64, d128 and d256, full or causal, MHA/GQA/MQA, lengths that are not multiples
+of its 64 x 128 tile, 64 x 80 at d256) within the fp64 reference rule, and the plan sends everything else to the
+mma.sync backward. Every build with the Hopper family has it (a build without arch 90 runs these tests on the mma.sync
+backward); the kernel names of a profile say which family ran. CPU (record mode): the plan's family."""
 import pytest
 import torch
 
@@ -12,14 +12,14 @@ from fa2 import ops
 from test_bwd import check_grads, randn
 
 
-def sm90_bwd_built():
-    """Whether this build compiled the Hopper backward: the plan of a d128 call that asks for the Hopper family, in
-    record mode (CPU tensors, no launch)."""
+def sm90_bwd_built(d=128):
+    """Whether this build compiled the Hopper backward at head dim d: the plan of a call that asks for the Hopper
+    family, in record mode (CPU tensors, no launch)."""
     if ops._C is None:
         pytest.skip("fa2._C is not built")
-    if 128 not in fa2.build_info()["bwd_head_dims"]:
+    if d not in fa2.build_info()["bwd_head_dims"]:
         return False
-    q, k, v = (torch.randn(1, 128, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(1, 128, 2, d, dtype=torch.bfloat16) for _ in range(3))
     ops._C.set_test_overrides(record=True, family="sm90")
     try:
         fa2.bwd(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.zeros(1, 2, 128))
@@ -37,8 +37,8 @@ def test_a_build_with_the_hopper_family_has_its_backward(require_kernel):
     assert sm90_bwd_built() == ("sm90" in info["families"] and 128 in info["bwd_head_dims"]), info
 
 
-def hopper_bwd_expected():
-    return sm90_bwd_built() and torch.cuda.get_device_capability() == (9, 0)
+def hopper_bwd_expected(d=128):
+    return sm90_bwd_built(d) and torch.cuda.get_device_capability() == (9, 0)
 
 
 def bwd_kernel_names(fn):
@@ -50,7 +50,7 @@ def bwd_kernel_names(fn):
 
 SHAPES = [(1, 1), (113, 203), (128, 128), (203, 113), (1000, 1000), (1023, 2048), (2048, 1023)]
 HEADS = [(2, 4, 4), (1, 8, 1), (1, 16, 2)]  # MHA, MQA, GQA 8:1
-GRID = [(d, sq, sk, b, h, hk) for d in (64, 128) for sq, sk in SHAPES for b, h, hk in HEADS]
+GRID = [(d, sq, sk, b, h, hk) for d in (64, 128, 256) for sq, sk in SHAPES for b, h, hk in HEADS]
 
 
 @pytest.mark.gpu
@@ -70,18 +70,19 @@ def test_hopper_backward_matches_the_reference(d, sq, sk, b, h, hk, dtype, causa
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_backward_with_strided_inputs_and_given_buffers(causal, launch_overrides, require_kernel):
+@pytest.mark.parametrize("d", [128, 256], ids=["d128", "d256"])
+def test_hopper_backward_with_strided_inputs_and_given_buffers(d, causal, launch_overrides, require_kernel):
     """q, k, v as slices of a packed qkv tensor (TMA reads them in place), dq/dk/dv the caller's, every element
     written."""
-    require_kernel("bwd", 128, torch.bfloat16)
+    require_kernel("bwd", d, torch.bfloat16)
     launch_overrides(family="sm90")
-    qkv = randn(2, 333, 3, 4, 128)
+    qkv = randn(2, 333, 3, 4, d)
     q, k, v = qkv.unbind(2)
     out, lse = fa2.fwd(q, k, v, causal=causal)
     dout = torch.randn_like(out)
     dq, dk, dv = (torch.full_like(q, float("nan")) for _ in range(3))
     fa2.bwd(dout, q, k, v, out, lse, causal=causal, dq=dq, dk=dk, dv=dv)
-    check_grads((dq, dk, dv), q, k, v, dout, causal, f"sm90 bwd strided causal={causal}")
+    check_grads((dq, dk, dv), q, k, v, dout, causal, f"sm90 bwd strided d{d} causal={causal}")
 
 
 @pytest.mark.gpu
@@ -133,23 +134,26 @@ def test_hopper_deterministic_backward_is_bitwise_repeatable(d, b, sq, sk, h, hk
     (dict(window_size=(64, 0)), False), (dict(alibi_slopes=torch.ones(4)), False),
     (dict(dropout_p=0.1, rng_state=torch.tensor([1, 2])), False),
 ], ids=["plain", "causal", "deterministic", "softcap", "window", "alibi", "dropout"])
-@pytest.mark.parametrize("d,hk", [(128, 4), (128, 1), (64, 4), (96, 4)], ids=["d128", "d128_mqa", "d64", "d96"])
+@pytest.mark.parametrize("d,hk", [(128, 4), (128, 1), (64, 4), (96, 4), (256, 4), (256, 1)],
+                         ids=["d128", "d128_mqa", "d64", "d96", "d256", "d256_mqa"])
 def test_the_plan_sends_the_hopper_backward_only_what_it_serves(options, served, d, hk, launch_overrides, recording,
                                                                 require_kernel):
     """CPU: with the Hopper family asked for, a backward runs on it only where the build has it and it
-    serves the call (d64 and d128 so far, padded, full or causal, no score transform)."""
+    serves the call (d64, d128 and d256, padded, full or causal, no score transform; d256 not deterministic, whose
+    dQ adds come from the MMA warps in no fixed order)."""
     require_kernel("bwd", d, torch.bfloat16)
-    built = sm90_bwd_built()
+    built = sm90_bwd_built(d)
     launch_overrides(record=True, family="sm90")
     q, k, v = torch.randn(1, 256, 4, d, dtype=torch.bfloat16), *(
         torch.randn(1, 256, hk, d, dtype=torch.bfloat16) for _ in range(2))
     fa2.bwd(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.zeros(1, 4, 256), **options)
     kind, launch = recording.calls[-1]
     assert kind == "bwd"
-    expected = "sm90" if built and served and d in (64, 128) else "sm80"  # sm90/config.h: bwd_has_tile
+    served = served and not (d == 256 and options.get("deterministic"))  # sm90/config.h: bwd_serves
+    expected = "sm90" if built and served and d in (64, 128, 256) else "sm80"  # sm90/config.h: bwd_has_tile
     assert launch["plan"]["family"] == expected, (options, launch["plan"])
     if expected == "sm90":
-        assert launch["plan"]["shape"][1:3] == (128 if d == 64 else 64, 128)  # sm90/config.h: bwd_tile
+        assert launch["plan"]["shape"][1:3] == {64: (128, 128), 128: (64, 128), 256: (64, 80)}[d]  # sm90/config.h: bwd_tile
         # Causal: heaviest key blocks first within head groups (record mode plans groups of 1); else the grid order.
         assert launch["plan"]["head_group"] == (1 if options.get("causal") else 0), launch["plan"]
 

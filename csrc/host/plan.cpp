@@ -121,9 +121,14 @@ Family forward_family(const FwdParams& p, DType dtype, int head_dim, const Devic
 // The backward's family: the Hopper one where the build compiled it, for what it serves
 // (sm90/config.h: bwd_serves), with TMA-loadable q, k, v and dout; FA2_FAMILY=sm80 keeps it off.
 Family backward_family(const BwdParams& p, DType dtype, int head_dim, const DeviceInfo& device) {
-  if (requested_family() == 1 || !device.sm90a || !sm90_built(true, head_dim, dtype)) return Family::kSm80;
+  // The compiled head dim exactly: a build without the call's own (FA2_HEAD_DIMS) would pad it, which the Hopper
+  // backward does not.
+  if (requested_family() == 1 || !device.sm90a || head_dim != p.head_dim || !sm90_built(true, head_dim, dtype)) {
+    return Family::kSm80;
+  }
   const bool serves = sm90::bwd_serves(p.head_dim, p.cu_seqlens_q != nullptr, p.window_left, p.window_right,
-                                       p.softcap_in > 0.f, p.alibi_slopes != nullptr, p.rng_state != nullptr) &&
+                                       p.softcap_in > 0.f, p.alibi_slopes != nullptr, p.rng_state != nullptr,
+                                       p.deterministic) &&
                       tma_tensor(p.q, p.q_stride) && tma_tensor(p.k, p.k_stride) && tma_tensor(p.v, p.v_stride) &&
                       tma_tensor(p.dout, p.dout_stride) && tma_aligned(p.lse) && tma_aligned(p.d_sum) &&
                       int64_t(p.batch) * p.nheads * p.seqlen_q <= INT32_MAX &&  // lse and D: one flat TMA each

@@ -1,8 +1,9 @@
 // The Hopper backward (fa2.reference.flash_bwd_tiled's inner loop, KV-stationary), warp-specialized: one CTA per
 // (key block, head, batch). Warp 0 of warpgroup 0 loads K and V once and streams Q and dO (with lse and D) of every
-// query block that sees those keys through two-stage TMA rings; warpgroups 1 and 2 own 64 keys each, keep dK and dV in
+// query block that sees those keys through TMA rings; warpgroups 1 and 2 own 64 keys each, keep dK and dV in
 // registers for the whole stream, and stage each query block's dQ share in shared memory, which warp 1 of warpgroup 0
-// adds into the fp32 dq_accum by TMA reduce-add.
+// adds into the fp32 dq_accum by TMA reduce-add. d256 keeps the prologue and the producer; its MMA warpgroups are
+// bwd_mma_wide.h's.
 //                                                                                      docs/tuning.md#sm90-backward
 //
 // Names: g* global tiles, s* shared (s*t: the transposed view of the same bytes), t*r* register fragments partitioned
@@ -17,6 +18,7 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "sm90/bwd_mma_wide.h"
 #include "sm90/bwd_traits.h"
 #include "sm90/utils.h"
 
@@ -65,6 +67,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;
+  using PipelinedO = typename Traits::PipelinedO;
   using M = typename Traits::M;
   using N = typename Traits::N;
   using D = typename Traits::D;
@@ -99,7 +102,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.tma_dq.get_tma_descriptor());
+    if constexpr (!Traits::kWide) cute::prefetch_tma_descriptor(p.tma_dq.get_tma_descriptor());
     shared.kv_full.init(1);
   }
   // Q and dO have a ring each: a stage is released once the last GEMM that reads it has retired (dO after dV's and
@@ -110,7 +113,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   pipe_params.num_consumers = Traits::kMmaThreads;
   pipe_params.transaction_bytes = Traits::kBytesQ;
   Pipeline q_pipe(shared.q_pipe, pipe_params, Shape<_1, _1, _1>{});
-  Pipeline do_pipe(shared.do_pipe, pipe_params, Shape<_1, _1, _1>{});
+  typename PipelinedO::Params do_pipe_params;
+  do_pipe_params.role = warpgroup == 0 ? PipelinedO::ThreadCategory::Producer : PipelinedO::ThreadCategory::Consumer;
+  do_pipe_params.is_leader = pipe_params.is_leader;
+  do_pipe_params.num_consumers = pipe_params.num_consumers;
+  do_pipe_params.transaction_bytes = Traits::kBytesQ;  // dO's tile and D's box
+  PipelinedO do_pipe(shared.do_pipe, do_pipe_params, Shape<_1, _1, _1>{});
   __syncthreads();  // the barriers are initialised before anyone waits on them
 
   Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});     // (M, d, stages)
@@ -125,7 +133,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     // 44 B here once the producer also loaded lse and D, and 32 / 240 would ask for more than the pool holds).
     static_assert(kWarpgroupThreads * 40 + Traits::kMmaThreads * 232 <= 168 * kBwdThreads, "setmaxnreg's pool");
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (warp == 1 && m_begin < m_end) {
+    if (!Traits::kWide && warp == 1 && m_begin < m_end) {
       // ---------------------------------------------------------------------------------------- dQ writer
       // Each query block's dQ share, staged by the MMA warpgroups, reduced into dq_accum by TMA (two boxes per
       // slab; rows past seqlen_q are clipped), so the MMA warps issue no atomics. One lane issues and waits: bulk
@@ -193,9 +201,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     shared.kv_full.arrive_and_expect_tx(Traits::kBytesKV);
     copy(p.tma_k.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tKgK, tKsK);
     copy(p.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tVgV, tVsV);
-    // Every key block of the head reads the same Q and dO blocks: keep them in L2.
+    // dO has its own ring (one stage at d256, where dO[m + 1] lands once block m's dV^T GEMMs have read dO[m]).
     auto stage = cutlass::make_producer_start_state<Pipeline>();
-    for (int m = m_begin; m < m_end; ++m, ++stage) {
+    auto do_stage = cutlass::make_producer_start_state<PipelinedO>();
+    // Every key block of the head reads the same Q and dO blocks: keep them in L2. Not unrolled over the ring's
+    // stages: at d256 (10 boxes a block) the unrolled loop keeps more shared-memory addresses live than the producer's
+    // 40 registers hold (ptxas spilled 8 bytes).
+#pragma unroll 1
+    for (int m = m_begin; m < m_end; ++m, ++stage, ++do_stage) {
       q_pipe.producer_acquire(stage);  // waits for the stage to be free, then expects its bytes (Q's and lse's)
       copy(p.tma_q.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, m),
            tQsQ(_, stage.index()));
@@ -205,17 +218,16 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         auto [tg, ts] = tma_partition(p.tma_lse, Int<0>{}, Layout<_1>{}, group_modes<0, 1>(sL), group_modes<0, 1>(gL));
         copy(p.tma_lse.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tg, ts);
       }
-      do_pipe.producer_acquire(stage);  // dO's and D's
-      copy(p.tma_do.with(*do_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tdOgdO(_, m),
-           tdOsdO(_, stage.index()));
+      do_pipe.producer_acquire(do_stage);  // dO's and D's
+      copy(p.tma_do.with(*do_pipe.producer_get_barrier(do_stage), 0, TMA::CacheHintSm90::EVICT_LAST), tdOgdO(_, m),
+           tdOsdO(_, do_stage.index()));
       {
         Tensor gD = local_tile(domain_offset(make_coord(stats0 + m * kBlockM), mD), Shape<SB>{}, make_coord(0));
-        Tensor sD = make_tensor(make_smem_ptr(shared.d.data() + stage.index() * Traits::kStatsStage), Layout<SB>{});
+        Tensor sD = make_tensor(make_smem_ptr(shared.d.data() + do_stage.index() * Traits::kStatsStage), Layout<SB>{});
         auto [tg, ts] = tma_partition(p.tma_d, Int<0>{}, Layout<_1>{}, group_modes<0, 1>(sD), group_modes<0, 1>(gD));
-        copy(p.tma_d.with(*do_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tg, ts);
+        copy(p.tma_d.with(*do_pipe.producer_get_barrier(do_stage), 0, TMA::CacheHintSm90::EVICT_LAST), tg, ts);
       }
     }
-    auto do_stage = stage;
     q_pipe.producer_tail(stage);  // no exit while loads into this CTA's shared memory are in flight
     do_pipe.producer_tail(do_stage);
     return;
@@ -223,165 +235,169 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
 
   // -------------------------------------------------------------------------------------------- MMA warpgroups
   cutlass::arch::warpgroup_reg_alloc<232>();
-  const int tid = threadIdx.x - kWarpgroupThreads;
-  typename Traits::TiledMmaSdP mma_sdp;
-  typename Traits::TiledMmadKV mma_dkv;
-  typename Traits::TiledMmadQ mma_dq;
-  auto thr_sdp = mma_sdp.get_thread_slice(tid);
-  auto thr_dkv = mma_dkv.get_thread_slice(tid);
-  auto thr_dq = mma_dq.get_thread_slice(tid);
-  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<N, D>{});
-  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<N, D>{});
-  clear(tdKrdK);
-  clear(tdVrdV);
+  if constexpr (Traits::kWide) {
+    bwd_mma_wide<Traits>(p, shared, q_pipe, do_pipe, n_block, head, batch, m_begin, m_end);
+  } else {
+    const int tid = threadIdx.x - kWarpgroupThreads;
+    typename Traits::TiledMmaSdP mma_sdp;
+    typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(tid);
+    auto thr_dkv = mma_dkv.get_thread_slice(tid);
+    auto thr_dq = mma_dq.get_thread_slice(tid);
+    Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<N, D>{});
+    Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<N, D>{});
+    clear(tdKrdK);
+    clear(tdVrdV);
 
-  if (m_begin < m_end) {
-    Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});     // (d, M, stages)
-    Tensor sdOt = make_tensor(make_smem_ptr(shared.dO.data()), typename Traits::SmemLayoutdOt{});  // (d, M, stages)
-    Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});     // (d, N)
-    Tensor sdS = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdS{});    // (M, N, stages)
-    Tensor sdSt = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdSt{});  // (N, M, stages)
-    // Operands: K and V are S^T's and dP^T's A (M = keys), Q and dO their B (N = queries); dO^T and Q^T are dV's and
-    // dK's B (N = d, K = queries); dS and K^T are dQ's A and B.
-    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
-    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
-    Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
-    Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
-    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);
-    Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
-    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-    Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
-    // dQ's registers -> this warpgroup's staging slab (64-bit stores; the swizzle keeps them free of bank conflicts).
-    Tensor sdQ = make_tensor(make_smem_ptr(shared.dq.data()), typename Traits::SmemLayoutdQ{});  // (M, d)
-    auto r2s_dq = make_tiled_copy_C(Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<64>, float>{}, mma_dq);
-    auto thr_r2s_dq = r2s_dq.get_thread_slice(tid);
-    Tensor tdQsdQ = thr_r2s_dq.partition_D(as_position_independent_swizzle_tensor(sdQ));
-    const int mma_warpgroup = warpgroup - 1;
-    // Stands in for the writer's first "empty": the slab starts free.
-    if (warp % 4 == 0) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + mma_warpgroup);
-    // dS^T registers -> sdS through the transposed view (stmatrix.trans).
-    auto r2s_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma_sdp);
-    auto thr_r2s_ds = r2s_ds.get_thread_slice(tid);
-    Tensor tdSsdS = thr_r2s_ds.partition_D(as_position_independent_swizzle_tensor(sdSt));  // (CPY, .., .., stages)
-    // The (query, key) of each S^T register as (rows = queries, cols = keys), and the (query, column) of each dQ one.
-    Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<N, M>{}));
-    Tensor cS_rc = make_tensor(cS.data(), rowcol_t(cS.layout()));
-    constexpr int kRows = decltype(size<0>(cS_rc))::value;  // queries per thread
-    const int stats_shift = ((batch * p.nheads + head) * p.seqlen_q) & 3;  // this head's first row in the stats box
+    if (m_begin < m_end) {
+      Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});     // (d, M, stages)
+      Tensor sdOt = make_tensor(make_smem_ptr(shared.dO.data()), typename Traits::SmemLayoutdOt{});  // (d, M, stages)
+      Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});     // (d, N)
+      Tensor sdS = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdS{});    // (M, N, stages)
+      Tensor sdSt = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdSt{});  // (N, M, stages)
+      // Operands: K and V are S^T's and dP^T's A (M = keys), Q and dO their B (N = queries); dO^T and Q^T are dV's and
+      // dK's B (N = d, K = queries); dS and K^T are dQ's A and B.
+      Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+      Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
+      Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+      Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+      Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);
+      Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+      Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+      Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
+      // dQ's registers -> this warpgroup's staging slab (64-bit stores through the swizzle).
+      Tensor sdQ = make_tensor(make_smem_ptr(shared.dq.data()), typename Traits::SmemLayoutdQ{});  // (M, d)
+      auto r2s_dq = make_tiled_copy_C(Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<64>, float>{}, mma_dq);
+      auto thr_r2s_dq = r2s_dq.get_thread_slice(tid);
+      Tensor tdQsdQ = thr_r2s_dq.partition_D(as_position_independent_swizzle_tensor(sdQ));
+      const int mma_warpgroup = warpgroup - 1;
+      // Stands in for the writer's first "empty": the slab starts free.
+      if (warp % 4 == 0) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + mma_warpgroup);
+      // dS^T registers -> sdS through the transposed view (stmatrix.trans).
+      auto r2s_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma_sdp);
+      auto thr_r2s_ds = r2s_ds.get_thread_slice(tid);
+      Tensor tdSsdS = thr_r2s_ds.partition_D(as_position_independent_swizzle_tensor(sdSt));  // (CPY, .., .., stages)
+      // The (query, key) of each S^T register as (rows = queries, cols = keys), and the (query, column) of each dQ one.
+      Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<N, M>{}));
+      Tensor cS_rc = make_tensor(cS.data(), rowcol_t(cS.layout()));
+      constexpr int kRows = decltype(size<0>(cS_rc))::value;  // queries per thread
+      const int stats_shift = ((batch * p.nheads + head) * p.seqlen_q) & 3;  // this head's first row in the stats box
 
-    shared.kv_full.wait(0);
-    typename Traits::PipelineState stage;
-    for (int m = m_begin; m < m_end; ++m, ++stage) {
-      const int s = stage.index(), query0 = m * kBlockM, key0 = n_block * kBlockN;
-      // S^T = K Q^T and dP^T = V dO^T, both in flight; P's exp2 overlaps dP's GEMM.
-      Tensor tSrS = partition_fragment_C(mma_sdp, Shape<N, M>{});
-      Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<N, M>{});
-      q_pipe.consumer_wait(stage);
-      warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
-      do_pipe.consumer_wait(stage);
-      warpgroup_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, s), tdPrdP);
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(tSrS);  // S^T is read only after its GEMM retired
-      // P = exp2(S * scale_log2 - lse * log2(e)) (reference: p = exp(s * scale - lse)); keys past seqlen_k and, causal,
-      // keys past a query's diagonal are masked to P = 0. Only blocks that reach an edge pay for the test.
-      Tensor scores = make_tensor(tSrS.data(), rowcol_t(tSrS.layout()));  // (queries, keys)
-      const bool edge = key0 + kBlockN > p.seqlen_k || (p.causal && key0 + kBlockN - 1 > query0 + diagonal);
-      // lse of each query as its row is used, from shared memory (Q's stage): kRows registers held across the GEMMs
-      // spilled at 128 queries per block. Rows past seqlen_q (the box ran into the next head's, or zeros), and rows
-      // that saw no key in the forward (lse = -inf), get lse = +inf so that P = 0 there (sm80/bwd_tile.h does the same).
-      const float* lse_s = shared.lse.data() + s * Traits::kStatsStage + stats_shift;
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
-        const int row = get<1>(cS_rc(mi, 0)), query = query0 + row;
-        const float l = query < p.seqlen_q ? lse_s[row] : INFINITY;
-        const float lse_log2 = l == -INFINITY ? INFINITY : l * float(M_LOG2E);
-        CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(scores); ++ni) {
-          scores(mi, ni) = exp2f(scores(mi, ni) * p.scale_log2 - lse_log2);
-        }
-      }
-      if (edge) {
+      shared.kv_full.wait(0);
+      typename Traits::PipelineState stage;
+      for (int m = m_begin; m < m_end; ++m, ++stage) {
+        const int s = stage.index(), query0 = m * kBlockM, key0 = n_block * kBlockN;
+        // S^T = K Q^T and dP^T = V dO^T, both in flight; P's exp2 overlaps dP's GEMM.
+        Tensor tSrS = partition_fragment_C(mma_sdp, Shape<N, M>{});
+        Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<N, M>{});
+        q_pipe.consumer_wait(stage);
+        warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, s), tSrS);
+        do_pipe.consumer_wait(stage);
+        warpgroup_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, s), tdPrdP);
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(tSrS);  // S^T is read only after its GEMM retired
+        // P = exp2(S * scale_log2 - lse * log2(e)) (reference: p = exp(s * scale - lse)); keys past seqlen_k and,
+        // causal, keys past a query's diagonal are masked to P = 0. Only blocks that reach an edge pay for the test.
+        Tensor scores = make_tensor(tSrS.data(), rowcol_t(tSrS.layout()));  // (queries, keys)
+        const bool edge = key0 + kBlockN > p.seqlen_k || (p.causal && key0 + kBlockN - 1 > query0 + diagonal);
+        // lse of each query as its row is used, from shared memory (Q's stage): kRows registers held across the GEMMs
+        // spilled at 128 queries per block. Rows past seqlen_q (the box ran into the next head's, or zeros), and rows
+        // that saw no key in the forward (lse = -inf), get lse = +inf so that P = 0 there (sm80/bwd_tile.h does the same).
+        const float* lse_s = shared.lse.data() + s * Traits::kStatsStage + stats_shift;
         CUTE_UNROLL
         for (int mi = 0; mi < kRows; ++mi) {
+          const int row = get<1>(cS_rc(mi, 0)), query = query0 + row;
+          const float l = query < p.seqlen_q ? lse_s[row] : INFINITY;
+          const float lse_log2 = l == -INFINITY ? INFINITY : l * float(M_LOG2E);
           CUTE_UNROLL
           for (int ni = 0; ni < size<1>(scores); ++ni) {
-            const int key = key0 + get<0>(cS_rc(mi, ni)), query = query0 + get<1>(cS_rc(mi, ni));
-            if (key >= p.seqlen_k || (p.causal && key > query + diagonal)) scores(mi, ni) = 0.f;
+            scores(mi, ni) = exp2f(scores(mi, ni) * p.scale_log2 - lse_log2);
           }
         }
-      }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tdPrdP);
-      // dS = P * (dP - D) (reference: ds = p * (dp - D)), in dP's registers.
-      Tensor ds = make_tensor(tdPrdP.data(), scores.layout());
-      const float* d_s = shared.d.data() + s * Traits::kStatsStage + stats_shift;  // D: with dO's stage, as lse
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
-        const int row = get<1>(cS_rc(mi, 0)), query = query0 + row;
-        const float d_row = query < p.seqlen_q ? d_s[row] : 0.f;
+        if (edge) {
+          CUTE_UNROLL
+          for (int mi = 0; mi < kRows; ++mi) {
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(scores); ++ni) {
+              const int key = key0 + get<0>(cS_rc(mi, ni)), query = query0 + get<1>(cS_rc(mi, ni));
+              if (key >= p.seqlen_k || (p.causal && key > query + diagonal)) scores(mi, ni) = 0.f;
+            }
+          }
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tdPrdP);
+        // dS = P * (dP - D) (reference: ds = p * (dp - D)), in dP's registers.
+        Tensor ds = make_tensor(tdPrdP.data(), scores.layout());
+        const float* d_s = shared.d.data() + s * Traits::kStatsStage + stats_shift;  // D: with dO's stage, as lse
         CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(ds); ++ni) ds(mi, ni) = scores(mi, ni) * (ds(mi, ni) - d_row);
+        for (int mi = 0; mi < kRows; ++mi) {
+          const int row = get<1>(cS_rc(mi, 0)), query = query0 + row;
+          const float d_row = query < p.seqlen_q ? d_s[row] : 0.f;
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(ds); ++ni) ds(mi, ni) = scores(mi, ni) * (ds(mi, ni) - d_row);
+        }
+        Tensor rP = make_tensor<Element>(tSrS.layout());
+        convert(tSrS, rP);
+        Tensor rdS = make_tensor<Element>(tdPrdP.layout());
+        convert(tdPrdP, rdS);
+        // dS^T -> sdS[s]. Stage s was last read by dQ's GEMM two query blocks ago, which both warpgroups finished
+        // before either passed the previous block's dS barrier: no barrier needed before the write.
+        copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, s));
+        // dV += P^T dO, P^T straight from registers (relabelled as an A operand).
+        Tensor tdVrP = make_tensor(rP.data(), as_operand_a(tSrS.layout()));
+        warpgroup_gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, s), tdVrdV);
+        // dS visible to the async proxy (wgmma reads shared memory through it), and complete from both warpgroups.
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(Traits::kMmaThreads, kdSBarrier);
+        // dQ = dS K; returns once dV's GEMM retired, so dO's stage is free.
+        Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<M, D>{});
+        warpgroup_gemm<true, 1>(mma_dq, tdQrdS(_, _, _, s), tdQrK, tdQrdQ);
+        do_pipe.consumer_release(stage);
+        // dK += dS^T Q, dS^T from registers; returns once dQ's GEMM retired.
+        Tensor tdKrdS = make_tensor(rdS.data(), as_operand_a(tdPrdP.layout()));
+        warpgroup_gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, s), tdKrdK);
+        warpgroup_fence_operand(tdQrdQ);
+        // This key block's share of dQ to the writer warp, while dK's GEMM runs: into the slab once the writer's
+        // previous reduce has read it, then made visible to TMA (the async proxy).
+        cutlass::arch::NamedBarrier::sync(kdQThreads, kdQEmpty + mma_warpgroup);
+        copy(r2s_dq, thr_r2s_dq.retile_S(tdQrdQ), tdQsdQ);
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQFull + mma_warpgroup);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tdKrdK);
+        q_pipe.consumer_release(stage);  // dK's GEMM, Q's last reader, retired
       }
-      Tensor rP = make_tensor<Element>(tSrS.layout());
-      convert(tSrS, rP);
-      Tensor rdS = make_tensor<Element>(tdPrdP.layout());
-      convert(tdPrdP, rdS);
-      // dS^T -> sdS[s]. Stage s was last read by dQ's GEMM two query blocks ago, which both warpgroups finished before
-      // either passed the previous block's dS barrier: no barrier needed before the write.
-      copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, s));
-      // dV += P^T dO, P^T straight from registers (relabelled as an A operand).
-      Tensor tdVrP = make_tensor(rP.data(), as_operand_a(tSrS.layout()));
-      warpgroup_gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, s), tdVrdV);
-      // dS visible to the async proxy (wgmma reads shared memory through it), and complete from both warpgroups.
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::sync(Traits::kMmaThreads, kdSBarrier);
-      // dQ = dS K; returns once dV's GEMM retired, so dO's stage is free.
-      Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<M, D>{});
-      warpgroup_gemm<true, 1>(mma_dq, tdQrdS(_, _, _, s), tdQrK, tdQrdQ);
-      do_pipe.consumer_release(stage);
-      // dK += dS^T Q, dS^T from registers; returns once dQ's GEMM retired.
-      Tensor tdKrdS = make_tensor(rdS.data(), as_operand_a(tdPrdP.layout()));
-      warpgroup_gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, s), tdKrdK);
-      warpgroup_fence_operand(tdQrdQ);
-      // This key block's share of dQ to the writer warp, while dK's GEMM runs: into the slab once the writer's previous
-      // reduce has read it, then made visible to TMA (the async proxy).
-      cutlass::arch::NamedBarrier::sync(kdQThreads, kdQEmpty + mma_warpgroup);
-      copy(r2s_dq, thr_r2s_dq.retile_S(tdQrdQ), tdQsdQ);
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQFull + mma_warpgroup);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tdKrdK);
-      q_pipe.consumer_release(stage);  // dK's GEMM, Q's last reader, retired
     }
-  }
 
-  // ------------------------------------------------------------------------------------------ epilogue
-  // dK = softmax_scale * sum dS^T Q (reference: dk = scale * ds^T q) and dV, for this query head's slice: rows past
-  // seqlen_k are not written. Element pairs, or fp32 pairs where a GQA group is summed by the host afterwards.
-  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<N, D>{}));
-  Tensor cKV_rc = make_tensor(cKV.data(), rowcol(cKV.layout()));  // (keys, columns)
-  Tensor dk = make_tensor(tdKrdK.data(), rowcol(tdKrdK.layout()));
-  Tensor dv = make_tensor(tdVrdV.data(), rowcol(tdVrdV.layout()));
-  const int64_t dk_base = batch * p.dk_batch_stride + head * p.dk_head_stride;
-  const int64_t dv_base = batch * p.dv_batch_stride + head * p.dv_head_stride;
-  cutlass::NumericArrayConverter<Element, float, 2> cvt;
-  CUTE_UNROLL
-  for (int r = 0; r < size<0>(dk); ++r) {
-    const int key = n_block * kBlockN + get<0>(cKV_rc(r, 0));
-    if (key >= p.seqlen_k) continue;
+    // ------------------------------------------------------------------------------------------ epilogue
+    // dK = softmax_scale * sum dS^T Q (reference: dk = scale * ds^T q) and dV, for this query head's slice: rows past
+    // seqlen_k are not written. Element pairs, or fp32 pairs where a GQA group is summed by the host afterwards.
+    Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<N, D>{}));
+    Tensor cKV_rc = make_tensor(cKV.data(), rowcol(cKV.layout()));  // (keys, columns)
+    Tensor dk = make_tensor(tdKrdK.data(), rowcol(tdKrdK.layout()));
+    Tensor dv = make_tensor(tdVrdV.data(), rowcol(tdVrdV.layout()));
+    const int64_t dk_base = batch * p.dk_batch_stride + head * p.dk_head_stride;
+    const int64_t dv_base = batch * p.dv_batch_stride + head * p.dv_head_stride;
+    cutlass::NumericArrayConverter<Element, float, 2> cvt;
     CUTE_UNROLL
-    for (int c = 0; c < size<1>(dk); c += 2) {
-      const int col = get<1>(cKV_rc(r, c));
-      const int64_t k_off = dk_base + key * p.dk_row_stride + col, v_off = dv_base + key * p.dv_row_stride + col;
-      cutlass::Array<float, 2> k2, v2;
-      k2[0] = dk(r, c) * p.softmax_scale, k2[1] = dk(r, c + 1) * p.softmax_scale;
-      v2[0] = dv(r, c), v2[1] = dv(r, c + 1);
-      if (p.dkv_fp32) {
-        *reinterpret_cast<cutlass::Array<float, 2>*>(static_cast<float*>(p.dk) + k_off) = k2;
-        *reinterpret_cast<cutlass::Array<float, 2>*>(static_cast<float*>(p.dv) + v_off) = v2;
-      } else {
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(static_cast<Element*>(p.dk) + k_off) = cvt(k2);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(static_cast<Element*>(p.dv) + v_off) = cvt(v2);
+    for (int r = 0; r < size<0>(dk); ++r) {
+      const int key = n_block * kBlockN + get<0>(cKV_rc(r, 0));
+      if (key >= p.seqlen_k) continue;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(dk); c += 2) {
+        const int col = get<1>(cKV_rc(r, c));
+        const int64_t k_off = dk_base + key * p.dk_row_stride + col, v_off = dv_base + key * p.dv_row_stride + col;
+        cutlass::Array<float, 2> k2, v2;
+        k2[0] = dk(r, c) * p.softmax_scale, k2[1] = dk(r, c + 1) * p.softmax_scale;
+        v2[0] = dv(r, c), v2[1] = dv(r, c + 1);
+        if (p.dkv_fp32) {
+          *reinterpret_cast<cutlass::Array<float, 2>*>(static_cast<float*>(p.dk) + k_off) = k2;
+          *reinterpret_cast<cutlass::Array<float, 2>*>(static_cast<float*>(p.dv) + v_off) = v2;
+        } else {
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(static_cast<Element*>(p.dk) + k_off) = cvt(k2);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(static_cast<Element*>(p.dv) + v_off) = cvt(v2);
+        }
       }
     }
   }

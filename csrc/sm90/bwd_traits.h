@@ -21,30 +21,56 @@ using namespace cute;
 constexpr int kBwdMmaWarpgroups = 2;
 constexpr int kBwdThreads = (1 + kBwdMmaWarpgroups) * kWarpgroupThreads;
 
-// FA3's d128 structure (its SdP_swapAB, Mma_dKV_is_RS): S and dP are computed transposed, rows = keys, so that P^T and
-// dS^T are already the register A operands of dV += P^T dO and dK += dS^T Q, and P never touches shared memory. The
-// two MMA warpgroups stack on the keys for S^T, dP^T, dV and dK (64 keys each) and on the head dim for dQ.
+// d64 and d128: FA3's d128 structure (its SdP_swapAB, Mma_dKV_is_RS). S and dP are computed transposed, rows = keys,
+// so that P^T and dS^T are already the register A operands of dV += P^T dO and dK += dS^T Q, and P never touches
+// shared memory. The two MMA warpgroups stack on the keys for S^T, dP^T, dV and dK (64 keys each) and on the head dim
+// for dQ.
+// d256 (kWide): FA3's d256 structure (its dKV_swapAB; config.h says why). S and dP as they are, the warpgroups
+// side by side on the keys (40 each); dV^T += dO^T P and dK^T += Q^T dS with both operands from shared memory, the
+// warpgroups stacked on the head dim (warpgroup w: dims 64w + [0, 64) and 128 + 64w + [0, 64)); dQ per 128-column
+// half.
+// dV and dK's wgmma: narrow (M = keys, N = d, K = queries), A from registers; wide (M = d, N = keys), both from
+// shared memory. A function, so that only the chosen selector is instantiated (each asserts its own shapes).
+template <bool kWide, class Element, class M, class N, class D>
+constexpr auto bwd_dkv_op() {
+  if constexpr (kWide) {
+    return GMMA::ss_op_selector<Element, Element, float, Shape<D, N, M>, GMMA::Major::MN, GMMA::Major::MN>();
+  } else {
+    return GMMA::rs_op_selector<Element, Element, float, Shape<N, D, M>, GMMA::Major::K, GMMA::Major::MN>();
+  }
+}
+
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, DType kDType>
 struct BwdTraits {
   using Element = std::conditional_t<kDType == DType::fp16, cutlass::half_t, cutlass::bfloat16_t>;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
+  static constexpr bool kWide = kHeadDim == 256;
+  static constexpr int kStagesdO = bwd_do_stages({kHeadDim, kBlockM, kBlockN, kStages, false, false});
+  static constexpr int kStagesdS = kWide ? 1 : kStages;  // narrow: one per Q stage; wide: one P and one dS
+  static constexpr int kdQCols = kWide ? 128 : kHeadDim;  // columns of one dQ GEMM
   static constexpr int kMmaThreads = kBwdMmaWarpgroups * kWarpgroupThreads;
-  static_assert(kBlockN == 64 * kBwdMmaWarpgroups, "each MMA warpgroup owns 64 keys");
+  static_assert(kWide ? kBlockN == 80 : kBlockN == 64 * kBwdMmaWarpgroups,
+                "narrow: each MMA warpgroup owns 64 keys; wide: 40 keys of S, 2 x 80 fp32 of dK^T and dV^T");
   using M = Int<kBlockM>;
   using N = Int<kBlockN>;
   using D = Int<kHeadDim>;
 
   // S^T = K Q^T and dP^T = V dO^T: (M = keys, N = queries, K = head dim), both operands K-major in shared memory.
-  using TiledMmaSdP = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<N, M, D>>(),
-                                              Layout<Shape<Int<kBwdMmaWarpgroups>, _1, _1>>{}));
+  // Wide: S = Q K^T and dP = dO V^T, (M = queries, N = keys, K = head dim).
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float,
+                           std::conditional_t<kWide, Shape<M, Int<kBlockN / kBwdMmaWarpgroups>, D>, Shape<N, M, D>>>(),
+      std::conditional_t<kWide, Layout<Shape<_1, Int<kBwdMmaWarpgroups>, _1>>,
+                         Layout<Shape<Int<kBwdMmaWarpgroups>, _1, _1>>>{}));
   // dV += P^T dO and dK += dS^T Q: (M = keys, N = head dim, K = queries). A from registers must be K-major; B is dO
   // (or Q) read as (head dim, queries) with the head dim contiguous, i.e. MN-major: no transposing copy.
-  using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<N, D, M>, GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<Int<kBwdMmaWarpgroups>, _1, _1>>{}));
+  // Wide: dV^T += dO^T P and dK^T += Q^T dS, (M = head dim, N = keys, K = queries), both transposed views (MN-major).
+  using TiledMmadKV = decltype(make_tiled_mma(bwd_dkv_op<kWide, Element, M, N, D>(),
+                                              Layout<Shape<Int<kBwdMmaWarpgroups>, _1, _1>>{}));
   // dQ = dS K: (M = queries, N = head dim, K = keys); the warpgroups split the head dim (64 queries are one wgmma M).
+  // Wide: one 128-column half at a time.
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<M, Int<kHeadDim / kBwdMmaWarpgroups>, N>, GMMA::Major::K,
+      GMMA::ss_op_selector<Element, Element, float, Shape<M, Int<kdQCols / kBwdMmaWarpgroups>, N>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       Layout<Shape<_1, Int<kBwdMmaWarpgroups>, _1>>{}));
   static_assert(size(TiledMmaSdP{}) == kMmaThreads && size(TiledMmadKV{}) == kMmaThreads &&
@@ -57,22 +83,27 @@ struct BwdTraits {
   using SmemAtom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<kMajor, Element, Int<kMN>, Int<kK>>());
   using SmemLayoutQ =
       decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockM, kHeadDim>{}, Shape<M, D, Int<kStages>>{}));
-  using SmemLayoutdO = SmemLayoutQ;
+  using SmemLayoutdO =
+      decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockM, kHeadDim>{}, Shape<M, D, Int<kStagesdO>>{}));
   using SmemLayoutK =
       decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockN, kHeadDim / kBwdMmaWarpgroups>{}, Shape<N, D>{}));
   using SmemLayoutV = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockN, kHeadDim>{}, Shape<N, D>{}));
-  // dS as dQ's A operand, (queries, keys) with the keys contiguous; one stage per Q stage.
+  // dS as dQ's A operand, (queries, keys) with the keys contiguous; one stage per Q stage (wide: one, and P has the
+  // same layout). Wide: 40-key rows are no whole swizzle row, so the atom is the unswizzled one (FA3's too).
   using SmemLayoutdS = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockM, kBlockN / kBwdMmaWarpgroups>{},
-                                              Shape<M, N, Int<kStages>>{}, Step<_1, _2, _3>{}));
+                                              Shape<M, N, Int<kStagesdS>>{}, Step<_1, _2, _3>{}));
   // Transposed views, Xt(c, r, s) = X(r, c, s): a composition with the (cols, rows) -> row + rows * col layout.
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_layout(Shape<D, M, Int<kStages>>{}, Stride<M, _1, Int<kBlockM * kHeadDim>>{})));
-  using SmemLayoutdOt = SmemLayoutQt;
+  using SmemLayoutdOt = decltype(composition(
+      SmemLayoutdO{}, make_layout(Shape<D, M, Int<kStagesdO>>{}, Stride<M, _1, Int<kBlockM * kHeadDim>>{})));
   using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_layout(Shape<D, N>{}, Stride<N, _1>{})));
   using SmemLayoutdSt = decltype(composition(
-      SmemLayoutdS{}, make_layout(Shape<N, M, Int<kStages>>{}, Stride<M, _1, Int<kBlockM * kBlockN>>{})));
+      SmemLayoutdS{}, make_layout(Shape<N, M, Int<kStagesdS>>{}, Stride<M, _1, Int<kBlockM * kBlockN>>{})));
   // The registers hold dS^T (keys, queries) and shared memory wants dS (queries, keys): stmatrix's transposing form.
-  using SmemCopyAtomdS = Copy_Atom<SM90_U16x8_STSM_T, Element>;
+  // Wide: the registers hold P and dS as stored, 20 a thread (x2: 8 x 8 matrices of 16 rows x 8 keys per warp).
+  using SmemCopyAtomdS =
+      Copy_Atom<std::conditional_t<kWide, SM90_U32x2_STSM_N, SM90_U16x8_STSM_T>, Element>;
 
   // Global tensors as TMA sees them: (rows, head dim, heads, batch), the head dim contiguous.
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -98,6 +129,7 @@ struct BwdTraits {
                                           Layout<StatsBox>{}, StatsBox{}, _1{}));
   // dQ of a query block, staged for the writer warp's TMA reduce-add into the row-major fp32 dq_accum: (M, d), 128-byte
   // swizzle (8 x 32-float atoms); MMA warpgroup w's slab, columns [64w, 64w + 64), is the first or second half.
+  // Not staged when wide.
   using dQSlab = Shape<M, Int<kHeadDim / kBwdMmaWarpgroups>>;
   using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<M, D>{}));
   using SmemLayoutdQSlab = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, dQSlab{}));
@@ -111,8 +143,10 @@ struct BwdTraits {
   static constexpr uint32_t kBytesQ = size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element) + kStatsBox * sizeof(float);
   static constexpr uint32_t kBytesKV = 2 * size(SmemLayoutK{}) * sizeof(Element);
 
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;  // Q and dO each, advanced together
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;  // Q's; dO's too where they have as many stages
   using PipelineState = cutlass::PipelineState<kStages>;
+  using PipelinedO = cutlass::PipelineTmaAsync<kStagesdO>;
+  using PipelineStatedO = cutlass::PipelineState<kStagesdO>;
 
   // Every tile on a 1024-byte boundary: the 128-byte swizzle repeats every 1 KB, and TMA and the wgmma descriptors
   // swizzle on absolute shared-memory address bits.
@@ -122,12 +156,15 @@ struct BwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdO>, 1024> dO;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdS>, 1024> dS;
-    cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>, 1024> dq;
+    union {  // never both: the wide tile's P (laid out as dS) or the narrow one's dQ staging
+      cute::array_aligned<Element, kWide ? cute::cosize_v<SmemLayoutdS> : 0, 1024> p;
+      cute::array_aligned<float, kWide ? 0 : cute::cosize_v<SmemLayoutdQ>, 1024> dq;
+    };
     cute::array_aligned<float, kStatsStage * kStages, 128> lse;  // a box per stage, with Q's stages
-    cute::array_aligned<float, kStatsStage * kStages, 128> d;    // a box per stage, with dO's stages
+    cute::array_aligned<float, kStatsStage * kStagesdO, 128> d;  // a box per stage, with dO's stages
     alignas(16) cutlass::arch::ClusterTransactionBarrier kv_full;  // K and V landed
     alignas(16) typename Pipeline::SharedStorage q_pipe;
-    alignas(16) typename Pipeline::SharedStorage do_pipe;
+    alignas(16) typename PipelinedO::SharedStorage do_pipe;
     int ticket;  // deterministic mode: this CTA's place in the order (bwd_kernel.h)
   };
   static constexpr int kSmemSize = int(sizeof(SharedStorage));
@@ -141,7 +178,8 @@ struct BwdKernelParams {
   typename Traits::TmaK tma_k;
   typename Traits::TmaV tma_v;
   typename Traits::TmaStats tma_lse, tma_d;  // over lse and d_sum, flat
-  typename Traits::TmadQ tma_dq;             // reduce-add into dq_accum
+  typename Traits::TmadQ tma_dq;             // reduce-add into dq_accum (narrow)
+  float* dq_accum;  // wide: (batch, heads, seqlen_q, head dim) fp32, added into by red.global.add.v4.f32
   typename Traits::ShapeQKV shape_q, shape_k;  // (seqlen, head dim, heads, batch); shape_k's heads are nheads_k
   int32_t stats_total;  // batch * nheads * seqlen_q: lse's and d_sum's length (lse: natural log, -inf: no key seen;
                         // d_sum: D = rowsum(dO * O), which the preprocess writes)

@@ -1,0 +1,205 @@
+// Host-only checks of the d256 Hopper backward's index mappings (csrc/sm90/bwd_mma_wide.h), on fa2's own traits:
+// the transposed shared-memory views, the head-dim halves, dQ's red.v4 lanes, the dK/dV epilogue's lane swap and the
+// stmatrix of P and dS (emulated from the copy atom's thread/value layouts). Nothing here runs a kernel.
+//   CUT=$(python -c "import cutlass_library,os;print(os.path.dirname(cutlass_library.__file__)+'/source/include')")
+//   nvcc -std=c++17 -I$CUT -Icsrc --expt-relaxed-constexpr -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED -arch=sm_90a \
+//     -o /tmp/bwd_wide_maps bench/bwd_wide_maps.cu
+//   /tmp/bwd_wide_maps   # 0 mismatches in each of the five
+#include <cstdio>
+#include <vector>
+
+#include "sm90/bwd_traits.h"
+
+using namespace cute;
+using T = fa2::sm90::BwdTraits<256, 64, 80, 2, fa2::DType::bf16>;
+using M = T::M;
+using N = T::N;
+using D = T::D;
+
+int bad = 0;
+#define CHECK(cond, ...)                     \
+  do {                                       \
+    if (!(cond)) {                           \
+      if (bad < 10) printf(__VA_ARGS__);     \
+      ++bad;                                 \
+    }                                        \
+  } while (0)
+
+// bwd_mma_wide.h's half_slice and utils.h's rowcol, host side (theirs are __device__).
+template <int kH, class X>
+auto half_slice(X&& t) {
+  return logical_divide(t, Shape<Underscore, _2>{})(_, make_coord(Int<kH>{}, _), _);
+}
+template <class L>
+auto rowcol(L const& l) {
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+int main() {
+  printf("sizeof(SharedStorage) %d (config.h budget %d); k %zu v %zu q %zu dO %zu dS %zu p %zu lse %zu d %zu\n",
+         T::kSmemSize, fa2::sm90::bwd_smem_bytes(fa2::sm90::bwd_tile(256)), sizeof(T::SharedStorage::k),
+         sizeof(T::SharedStorage::v), sizeof(T::SharedStorage::q), sizeof(T::SharedStorage::dO),
+         sizeof(T::SharedStorage::dS), sizeof(T::SharedStorage::p), sizeof(T::SharedStorage::lse),
+         sizeof(T::SharedStorage::d));
+  T::TiledMmaSdP mma_sdp;
+  T::TiledMmadKV mma_dkv;
+  T::TiledMmadQ mma_dq;
+
+  // 1. Transposed views alias the bytes of the stored tiles.
+  {
+    T::SmemLayoutdS ds;
+    T::SmemLayoutdSt dst;
+    T::SmemLayoutK k;
+    T::SmemLayoutKt kt;
+    T::SmemLayoutQ q;
+    T::SmemLayoutQt qt;
+    T::SmemLayoutdO o;
+    T::SmemLayoutdOt ot;
+    for (int r = 0; r < 64; ++r)
+      for (int c = 0; c < 80; ++c) CHECK(dst(c, r, 0) == ds(r, c, 0), "dS^T (%d, %d)\n", c, r);
+    for (int r = 0; r < 80; ++r)
+      for (int c = 0; c < 256; ++c) CHECK(kt(c, r) == k(r, c), "K^T (%d, %d)\n", c, r);
+    for (int s = 0; s < 2; ++s)
+      for (int r = 0; r < 64; ++r)
+        for (int c = 0; c < 256; ++c) CHECK(qt(c, r, s) == q(r, c, s), "Q^T (%d, %d, %d)\n", c, r, s);
+    for (int r = 0; r < 64; ++r)
+      for (int c = 0; c < 256; ++c) CHECK(ot(c, r, 0) == o(r, c, 0), "dO^T (%d, %d)\n", c, r);
+    printf("1. transposed views: %d mismatches\n", bad);
+  }
+
+  // 2. Halves: dK^T/dV^T half h holds dims [128h, 128h + 128) and K^T's half h feeds dQ's columns 128h + [0, 128).
+  {
+    const int before = bad;
+    for (int tid = 0; tid < 256; ++tid) {
+      Tensor c = mma_dkv.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<D, N>{}));
+      auto h0 = half_slice<0>(c);
+      auto h1 = half_slice<1>(c);
+      CHECK(size(h0) == 40 && size(h1) == 40, "dKV half sizes\n");  // of 80 fp32 a thread
+      for (int i = 0; i < size(h0); ++i) {
+        CHECK(get<0>(h0(i)) < 128 && get<0>(h1(i)) == get<0>(h0(i)) + 128, "dKV half tid %d i %d\n", tid, i);
+        CHECK(get<0>(h0(i)) / 64 % 2 == tid / 128, "dKV warpgroup tid %d dim %d\n", tid, int(get<0>(h0(i))));
+      }
+      Tensor b = mma_dq.get_thread_slice(tid).partition_B(make_identity_tensor(Shape<D, N>{}));  // (d, keys)
+      auto b0 = half_slice<0>(b);
+      auto b1 = half_slice<1>(b);
+      for (int i = 0; i < size(b0); ++i) {
+        CHECK(get<0>(b0(i)) < 128 && get<0>(b1(i)) == get<0>(b0(i)) + 128, "dQ B half tid %d i %d: %d %d\n", tid, i,
+              int(get<0>(b0(i))), int(get<0>(b1(i))));
+      }
+      // The A operand of dV^T's half h: dO^T's dims of the same half.
+      Tensor a = mma_dkv.get_thread_slice(tid).partition_A(make_identity_tensor(Shape<D, M>{}));
+      auto a1 = half_slice<1>(a);
+      for (int i = 0; i < size(a1); ++i) {
+        CHECK(get<0>(a1(i)) >= 128, "dKV A half tid %d i %d dim %d\n", tid, i, int(get<0>(a1(i))));
+      }
+    }
+    printf("2. halves: %d mismatches\n", bad - before);
+  }
+
+  // 3. dQ's red.v4 (add_dq): the float4 of each lane is 4 consecutive columns of one row, starting at the lane's
+  // (dq_row, dq_col) + 8 j, and every cell of a 64 x 128 half is added once.
+  {
+    const int before = bad;
+    std::vector<int> hit(64 * 128, 0);
+    for (int tid = 0; tid < 256; ++tid) {
+      auto rc = [&](int t) {
+        Tensor c = mma_dq.get_thread_slice(t).partition_C(make_identity_tensor(Shape<M, Int<T::kdQCols>>{}));
+        return make_tensor(c.data(), rowcol(c.layout()));
+      };
+      auto own = rc(tid);
+      auto partner = rc(tid ^ 1);
+      const bool odd = tid & 1;
+      const int dq_row = get<0>(own(odd, 0)), dq_col = get<1>(own(odd, 0)) - 2 * odd;
+      CHECK(dq_col % 4 == 0, "dq_col %d not 16-byte aligned\n", dq_col);
+      for (int j = 0; j < size<1>(own) / 2; ++j) {
+        // odd lanes: (partner row 1: 2 values, own row 1: 2); even lanes: (own row 0: 2, partner row 0: 2)
+        auto v0 = odd ? partner(1, 2 * j) : own(0, 2 * j);
+        auto v1 = odd ? partner(1, 2 * j + 1) : own(0, 2 * j + 1);
+        auto v2 = odd ? own(1, 2 * j) : partner(0, 2 * j);
+        auto v3 = odd ? own(1, 2 * j + 1) : partner(0, 2 * j + 1);
+        int k = 0;
+        for (auto v : {v0, v1, v2, v3}) {
+          CHECK(get<0>(v) == dq_row && get<1>(v) == dq_col + 8 * j + k, "red tid %d j %d k %d\n", tid, j, k);
+          hit[get<0>(v) * 128 + get<1>(v)]++;
+          ++k;
+        }
+      }
+    }
+    for (int x : hit) CHECK(x == 1, "dQ cell added %d times\n", x);
+    printf("3. dQ red.v4: %d mismatches\n", bad - before);
+  }
+
+  // 4. Epilogue: after the swap with lane ^ 4 (the lower lane sends its (r, c + 1), the upper its (r, c)) a lane
+  // stores (its key + upper; dims col, col + 1): upper ? (partner's (r, c + 1), own (r, c + 1)) : (own (r, c),
+  // partner's (r, c)); every (dim, key) once.
+  {
+    const int before = bad;
+    std::vector<int> hit(256 * 80, 0);
+    for (int tid = 0; tid < 256; ++tid) {
+      auto rc = [&](int t) {
+        Tensor c = mma_dkv.get_thread_slice(t).partition_C(make_identity_tensor(Shape<D, N>{}));
+        return make_tensor(c.data(), rowcol(c.layout()));
+      };
+      auto own = rc(tid);
+      auto partner = rc(tid ^ 4);
+      const int upper = (tid >> 2) & 1;
+      for (int c = 0; c < size<1>(own); c += 2) {
+        const int key = get<1>(own(0, c)) + upper;
+        for (int r = 0; r < size<0>(own); ++r) {
+          const int col = get<0>(own(r, c)) - upper;
+          auto e0 = upper ? partner(r, c + 1) : own(r, c);
+          auto e1 = upper ? own(r, c + 1) : partner(r, c);
+          CHECK(get<0>(e0) == col && get<1>(e0) == key && get<0>(e1) == col + 1 && get<1>(e1) == key,
+                "epilogue tid %d r %d c %d\n", tid, r, c);
+          CHECK(col % 2 == 0, "epilogue pair not 4-byte aligned\n");
+          hit[get<0>(e0) * 80 + get<1>(e0)]++;
+          hit[get<0>(e1) * 80 + get<1>(e1)]++;
+        }
+      }
+    }
+    for (int x : hit) CHECK(x == 1, "dK/dV cell written %d times\n", x);
+    printf("4. dK/dV epilogue: %d mismatches\n", bad - before);
+  }
+  // 5. stmatrix of P / dS, emulated from the atom's own thread/value layouts: within a warp, lane l's source value v
+  // is element ValLayoutSrc(l, v) of the atom's reference tile, and the lane l' with ValLayoutDst(l', v') equal to it
+  // supplies the address (partition_D's coordinate of its value v'). Each register must land on the (query, key) of
+  // its S accumulator element, and every cell of the 64 x 80 tile once.
+  {
+    const int before = bad;
+    using Atom = T::SmemCopyAtomdS;
+    typename Atom::ValLayoutSrc src_tv;
+    typename Atom::ValLayoutDst dst_tv;
+    constexpr int kSrcVals = size<1>(src_tv), kDstVals = size<1>(dst_tv);
+    std::vector<int> hit(64 * 80, 0);
+    auto r2s = make_tiled_copy_C(Atom{}, mma_sdp);
+    for (int warp = 0; warp < 8; ++warp) {
+      for (int lane = 0; lane < 32; ++lane) {
+        const int tid = warp * 32 + lane;
+        Tensor cS = mma_sdp.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<M, N>{}));
+        Tensor src = r2s.get_thread_slice(tid).retile_S(cS);  // S's coordinates, in the copy's order
+        const int calls = size(src) / kSrcVals;
+        for (int k = 0; k < calls; ++k) {
+          for (int v = 0; v < kSrcVals; ++v) {
+            const int ref = src_tv(lane, v);
+            int found = 0;
+            for (int l2 = 0; l2 < 32; ++l2) {
+              for (int v2 = 0; v2 < kDstVals; ++v2) {
+                if (dst_tv(l2, v2) != ref) continue;
+                Tensor dst = r2s.get_thread_slice(warp * 32 + l2).partition_D(make_identity_tensor(Shape<M, N>{}));
+                const auto to = dst(v2 + kDstVals * k), from = src(v + kSrcVals * k);
+                CHECK(to == from, "stmatrix tid %d call %d v %d\n", tid, k, v);
+                if (!found) hit[get<0>(to) * 80 + get<1>(to)]++;
+                ++found;
+              }
+            }
+            CHECK(found >= 1, "stmatrix tid %d call %d v %d: no destination\n", tid, k, v);
+          }
+        }
+      }
+    }
+    for (int x : hit) CHECK(x == 1, "P cell written %d times\n", x);
+    printf("5. P/dS stmatrix: %d mismatches\n", bad - before);
+  }
+  printf("%s: %d mismatches\n", bad ? "FAILED" : "ok", bad);
+  return bad != 0;
+}
