@@ -82,6 +82,11 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   k.head_group = p.head_group;
   k.dq_semaphore = p.dq_semaphore;
   k.m_blocks = ceil_div_host(p.seqlen_q, Traits::kBlockM);
+  // Rotated walks make a key block wait for higher ones of its head (bwd_kernel.h), which is safe only when a whole
+  // head's key blocks fit on the GPU at once (one CTA an SM): else the started ones could fill every SM waiting for
+  // one that cannot start. Longer keys keep key-block order, whose skew they amortise anyway (1.01x at 16k).
+  const int n_blocks = ceil_div_host(p.seqlen_k, Traits::kBlockN);
+  k.dq_rotate = p.dq_semaphore != nullptr && !k.causal && n_blocks <= device_sm_count();
 
   constexpr int smem = Traits::kSmemSize;
   const int limit = block_smem_limit(p);
@@ -100,7 +105,7 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   allow_smem<kernel>(smem, "sm90 bwd smem");
   // One CTA per (key block, head, batch), key blocks fastest: the CTAs of a head run together and share its Q and dO
   // in L2. Causal: heaviest first within groups of heads (the plan's head_group; the kernel maps blockIdx).
-  const dim3 grid(ceil_div_host(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
+  const dim3 grid(n_blocks, p.nheads, p.batch);
   kernel<<<grid, kBwdThreads, smem, stream>>>(k);
   check_cuda(cudaGetLastError(), "sm90 bwd launch");
 
