@@ -84,9 +84,11 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   k.m_blocks = ceil_div_host(p.seqlen_q, Traits::kBlockM);
   // Rotated walks make a key block wait for higher ones of its head (bwd_kernel.h), which is safe only when a whole
   // head's key blocks fit on the GPU at once (one CTA an SM): else the started ones could fill every SM waiting for
-  // one that cannot start. Longer keys keep key-block order, whose skew they amortise anyway (1.01x at 16k).
+  // one that cannot start (bench/det_rotate.cu). Half the SMs, so that kernels on other streams (NCCL's) holding some
+  // cannot bring that about. Longer keys keep key-block order, whose skew they amortise anyway (1.01x at 16k).
   const int n_blocks = ceil_div_host(p.seqlen_k, Traits::kBlockN);
-  k.dq_rotate = p.dq_semaphore != nullptr && !k.causal && n_blocks <= device_sm_count();
+  // The plain order only (head_group 0, as full attention has): the tickets then start a head's key blocks together.
+  k.dq_rotate = p.dq_semaphore != nullptr && !k.causal && p.head_group == 0 && 2 * n_blocks <= device_sm_count();
 
   constexpr int smem = Traits::kSmemSize;
   const int limit = block_smem_limit(p);
