@@ -37,4 +37,20 @@ __device__ __forceinline__ BlockHead scheduled_block(FwdParams const& p) {
   return scheduled_block<kHeavyLast>(p.head_group);
 }
 
+// Deterministic backward, full attention, rotated walk (sm90/bwd_kernel.h): key block n of N visits the M query
+// blocks starting at n mod M and wrapping, so it reaches block r at step t(n, r) = (r - n) mod M, and its turn at r is
+// its rank in that arrival order (ties: lower n first). The key blocks ahead of n are those of the t residues after
+// n's (n%M + 1 .. n%M + t, mod M) plus n - M, n - 2M, .. (same step, lower n). With P(k) = #{n' < N : n' mod M < k}
+// = k (N / M) + min(k, N % M), those residues hold P(r + 1) - P(n%M + 1) key blocks, + N where they wrap past M
+// (r < n%M). O(1) a block; the divisions once a CTA. bench/det_rotate.cu checks it against brute force.
+struct RotatedTurns {
+  int per_residue, extra, n_mod, n_total, base;  // N / M, N % M, n % M, N, n / M - P(n%M + 1)
+  __host__ __device__ RotatedTurns(int n, int n_blocks, int m_blocks)
+      : per_residue(n_blocks / m_blocks), extra(n_blocks % m_blocks), n_mod(n % m_blocks), n_total(n_blocks),
+        base(n / m_blocks - prefix(n % m_blocks + 1)) {}
+  __host__ __device__ int prefix(int k) const { return k * per_residue + (k < extra ? k : extra); }
+  // r: the query block less the walk's first (m - m_begin), in [0, M).
+  __host__ __device__ int operator()(int r) const { return prefix(r + 1) + (r < n_mod ? n_total : 0) + base; }
+};
+
 }  // namespace fa2

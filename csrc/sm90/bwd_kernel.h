@@ -43,7 +43,8 @@ constexpr int kdQThreads = kWarpgroupThreads + 32;
 // Deterministic mode's turns (one lane each): a key block adds its dQ share of a query block once the semaphore says
 // the key blocks before it in the turn order have, then passes the turn on once its adds are complete in global
 // memory. The key blocks that visit query block m are [0, n_vis(m)) (causal blocks start later in the queries, never
-// earlier). Full attention: turns in key-block order. Causal: from the last visitor down (FA3's order), with the
+// earlier). Full attention: turns in key-block order, or with rotated walks (p.dq_rotate) in the order the key blocks
+// reach m (common/schedule.h RotatedTurns). Causal: from the last visitor down (FA3's order), with the
 // lightest key blocks dispatched first, so a CTA only waits for blocks that started before it at later queries and
 // are ahead of it; in key-block order every CTA of a head would trail key block 0 to the end.
 __device__ __forceinline__ void wait_for_turn(const int* semaphore, int turn) {
@@ -96,6 +97,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   const int diagonal = p.seqlen_k - p.seqlen_q;
   const int m_begin = p.causal ? max(n_block * kBlockN - diagonal, 0) / kBlockM : 0;
   const int m_end = ceil_div(p.seqlen_q, kBlockM);
+  // The walk: m_count blocks from m_first, wrapping from m_end to m_begin. Deterministic full attention
+  // (p.dq_rotate) starts key block n at m_begin + n mod m_count, so a head's CTAs add into different query blocks at
+  // each step instead of queueing behind key block 0; otherwise m_first = m_begin (the default path's order). The
+  // producer, both MMA warpgroups and the dQ writer walk the same order; the pipeline stages follow the walk.
+  const int m_count = m_end - m_begin;
+  const int m_first = p.dq_rotate && m_count > 0 ? m_begin + n_block % m_count : m_begin;
+  auto next_m = [m_begin, m_end](int m) { return m + 1 == m_end ? m_begin : m + 1; };
 
   if (warp == 0 && cute::elect_one_sync()) {
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
@@ -146,11 +154,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       // The semaphores are (query block, batch, head): the heads polling at once sit on different lines.
       int* semaphore = p.dq_semaphore ? p.dq_semaphore + batch * p.nheads + head : nullptr;
       const int semaphore_stride = int(gridDim.z) * p.nheads;
-      for (int m = m_begin; m < m_end; ++m) {
+      const RotatedTurns rotated(n_block, int(gridDim.x), max(m_count, 1));
+      for (int i = 0, m = m_first; i < m_count; ++i, m = next_m(m)) {
         if (semaphore && leader) {
           const int visitors = p.causal ? min(int(gridDim.x), (m * kBlockM + kBlockM - 1 + diagonal) / kBlockN + 1)
                                         : int(gridDim.x);
-          wait_for_turn(semaphore + m * semaphore_stride, p.causal ? visitors - 1 - n_block : n_block);
+          const int turn = p.causal ? visitors - 1 - n_block : p.dq_rotate ? rotated(m - m_begin) : n_block;
+          wait_for_turn(semaphore + m * semaphore_stride, turn);
         }
         __syncwarp();
         CUTE_UNROLL
@@ -170,10 +180,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         // so the writer's last block arrives nowhere (no barrier is left half-arrived at exit).
         if (leader) tma_store_wait<1>();
         __syncwarp();
-        if (m + 1 < m_end) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty);
+        if (i + 1 < m_count) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty);
         if (leader) tma_store_wait<0>();
         __syncwarp();
-        if (m + 1 < m_end) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + 1);
+        if (i + 1 < m_count) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + 1);
         if (semaphore && leader) pass_turn(semaphore + m * semaphore_stride);
         __syncwarp();
       }
@@ -208,7 +218,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     // stages: at d256 (10 boxes a block) the unrolled loop keeps more shared-memory addresses live than the producer's
     // 40 registers hold (ptxas spilled 8 bytes).
 #pragma unroll 1
-    for (int m = m_begin; m < m_end; ++m, ++stage, ++do_stage) {
+    for (int i = 0, m = m_first; i < m_count; ++i, m = next_m(m), ++stage, ++do_stage) {
       q_pipe.producer_acquire(stage);  // waits for the stage to be free, then expects its bytes (Q's and lse's)
       copy(p.tma_q.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, m),
            tQsQ(_, stage.index()));
@@ -286,7 +296,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
 
       shared.kv_full.wait(0);
       typename Traits::PipelineState stage;
-      for (int m = m_begin; m < m_end; ++m, ++stage) {
+      for (int i = 0, m = m_first; i < m_count; ++i, m = next_m(m), ++stage) {
         const int s = stage.index(), query0 = m * kBlockM, key0 = n_block * kBlockN;
         // S^T = K Q^T and dP^T = V dO^T, both in flight; P's exp2 overlaps dP's GEMM.
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<N, M>{});

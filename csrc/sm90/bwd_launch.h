@@ -82,6 +82,15 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   k.head_group = p.head_group;
   k.dq_semaphore = p.dq_semaphore;
   k.m_blocks = ceil_div_host(p.seqlen_q, Traits::kBlockM);
+  // Rotated walks make a key block wait for higher ones of its head (bwd_kernel.h), which is safe only when a whole
+  // head's key blocks fit on the GPU at once (one CTA an SM): else the started ones could fill every SM waiting for
+  // one that cannot start (bench/det_rotate.cu). Half the SMs, so that kernels on other streams (NCCL's) holding some
+  // cannot bring that about. Longer keys keep key-block order, whose skew they amortise anyway (1.01x at 16k).
+  const int n_blocks = ceil_div_host(p.seqlen_k, Traits::kBlockN);
+  // The plain order only (head_group 0, as full attention has): the tickets then start a head's key blocks together.
+  // The wide path (d256, bwd_mma_wide.h) walks in order and is never deterministic (config.h: bwd_serves).
+  k.dq_rotate = !Traits::kWide && p.dq_semaphore != nullptr && !k.causal && p.head_group == 0 &&
+                2 * n_blocks <= device_sm_count();
 
   constexpr int smem = Traits::kSmemSize;
   const int limit = block_smem_limit(p);
@@ -100,7 +109,7 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   allow_smem<kernel>(smem, "sm90 bwd smem");
   // One CTA per (key block, head, batch), key blocks fastest: the CTAs of a head run together and share its Q and dO
   // in L2. Causal: heaviest first within groups of heads (the plan's head_group; the kernel maps blockIdx).
-  const dim3 grid(ceil_div_host(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
+  const dim3 grid(n_blocks, p.nheads, p.batch);
   kernel<<<grid, kBwdThreads, smem, stream>>>(k);
   check_cuda(cudaGetLastError(), "sm90 bwd launch");
 

@@ -195,6 +195,7 @@ struct BwdKernelParams {
   int head_group;  // causal: key blocks go heaviest first within groups of heads (common/schedule.h); 0: grid order
   int* dq_semaphore;  // deterministic: (query block, batch, head) -> key blocks whose dQ share is in, then the tickets
   int m_blocks;       // query blocks per head
+  bool dq_rotate;     // deterministic full attention: key block n walks from query block n mod m_blocks (bwd_kernel.h)
 };
 
 }  // namespace fa2::sm90
