@@ -37,7 +37,7 @@ auto rowcol(L const& l) {
 
 int main() {
   printf("sizeof(SharedStorage) %d (config.h budget %d); k %zu v %zu q %zu dO %zu dS %zu p %zu lse %zu d %zu\n",
-         T::kSmemSize, fa2::sm90::bwd_smem_bytes(fa2::sm90::bwd_tile(256)), sizeof(T::SharedStorage::k),
+         T::kSmemSize, fa2::sm90::bwd_smem_bytes(fa2::sm90::bwd_tile(256, false)), sizeof(T::SharedStorage::k),
          sizeof(T::SharedStorage::v), sizeof(T::SharedStorage::q), sizeof(T::SharedStorage::dO),
          sizeof(T::SharedStorage::dS), sizeof(T::SharedStorage::p), sizeof(T::SharedStorage::lse),
          sizeof(T::SharedStorage::d));

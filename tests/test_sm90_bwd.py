@@ -1,6 +1,7 @@
 """The Hopper backward (csrc/sm90/bwd_*.h; docs/tuning.md#sm90-backward): asked for, it computes dq, dk and dv of
 every call it serves (padded batches at d64, d128 and d256, full or causal, MHA/GQA/MQA, lengths that are not multiples
-of its 64 x 128 tile, 64 x 80 at d256) within the fp64 reference rule, and the plan sends everything else to the
+of its tiles: 128 x 128 at d64, 80 x 128 (full) and 64 x 128 (causal) at d128, 64 x 80 at d256) within the fp64
+reference rule, and the plan sends everything else to the
 mma.sync backward. Every build with the Hopper family has it (a build without arch 90 runs these tests on the mma.sync
 backward); the kernel names of a profile say which family ran. CPU (record mode): the plan's family."""
 import pytest
@@ -48,7 +49,8 @@ def bwd_kernel_names(fn):
     return {e.name for e in prof.events() if "bwd_kernel" in e.name}
 
 
-SHAPES = [(1, 1), (113, 203), (128, 128), (203, 113), (1000, 1000), (1023, 2048), (2048, 1023)]
+# 241 = 3 x 80 + 1: one query in d128's last 80-row block (1000: 40 rows, 1023: 63).
+SHAPES = [(1, 1), (113, 203), (128, 128), (203, 113), (241, 300), (1000, 1000), (1023, 2048), (2048, 1023)]
 HEADS = [(2, 4, 4), (1, 8, 1), (1, 16, 2)]  # MHA, MQA, GQA 8:1
 GRID = [(d, sq, sk, b, h, hk) for d in (64, 128, 256) for sq, sk in SHAPES for b, h, hk in HEADS]
 
@@ -108,9 +110,10 @@ def test_the_backward_family_that_runs_is_the_one_planned(launch_overrides, requ
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d,b,sq,sk,h,hk", [(128, 2, 1000, 1000, 4, 2), (64, 2, 1023, 2048, 4, 4),
                                              (128, 2, 2048, 1023, 2, 1), (128, 4, 2048, 2048, 16, 16),
-                                             (64, 2, 300, 1000, 2, 2), (64, 1, 256, 9000, 2, 2)],
+                                             (64, 2, 300, 1000, 2, 2), (64, 1, 256, 9000, 2, 2),
+                                             (128, 2, 961, 1000, 4, 4)],
                          ids=["d128_1000x1000_gqa", "d64_1023x2048", "d128_2048x1023_mqa", "d128_2048_b4h16_waves",
-                              "d64_300x1000_rem", "d64_256x9000_keyorder"])
+                              "d64_300x1000_rem", "d64_256x9000_keyorder", "d128_961x1000_tail"])
 def test_hopper_deterministic_backward_is_bitwise_repeatable(d, b, sq, sk, h, hk, causal, launch_overrides,
                                                             require_kernel):
     """deterministic=True on the Hopper backward: the key blocks add their dQ shares in turn, so three runs agree bit
@@ -118,7 +121,7 @@ def test_hopper_deterministic_backward_is_bitwise_repeatable(d, b, sq, sk, h, hk
     CTAs, several waves on any GPU: CTAs wait for others that started before them or, full attention's rotated walks
     (bwd_kernel.h), for their own head's, all resident together. Full attention rotates where 2 x key blocks <= SMs:
     every shape here but d64_256x9000 (71 key blocks, key-block order on H100/H200); 300x1000: 8 key blocks over 3
-    query blocks (N > M, N mod M = 2)."""
+    query blocks (N > M, N mod M = 2); 961 = 12 x 80 + 1 rows: a last query block of one row at d128's 80-row tile."""
     require_kernel("bwd", d, torch.bfloat16)
     launch_overrides(family="sm90")
     q = randn(b, sq, h, d)
@@ -158,7 +161,8 @@ def test_the_plan_sends_the_hopper_backward_only_what_it_serves(options, served,
     expected = "sm90" if built and served and d in (64, 128, 256) else "sm80"  # sm90/config.h: bwd_has_tile
     assert launch["plan"]["family"] == expected, (options, launch["plan"])
     if expected == "sm90":
-        assert launch["plan"]["shape"][1:3] == {64: (128, 128), 128: (64, 128), 256: (64, 80)}[d]  # sm90/config.h: bwd_tile
+        tiles = {64: (128, 128), 128: (64 if options.get("causal") else 80, 128), 256: (64, 80)}  # config.h: bwd_tile
+        assert launch["plan"]["shape"][1:3] == tiles[d], launch["plan"]
         # Causal: heaviest key blocks first within head groups (record mode plans groups of 1); else the grid order.
         assert launch["plan"]["head_group"] == (1 if options.get("causal") else 0), launch["plan"]
 

@@ -132,7 +132,7 @@ Family backward_family(const BwdParams& p, DType dtype, int head_dim, const Devi
                       tma_tensor(p.q, p.q_stride) && tma_tensor(p.k, p.k_stride) && tma_tensor(p.v, p.v_stride) &&
                       tma_tensor(p.dout, p.dout_stride) && tma_aligned(p.lse) && tma_aligned(p.d_sum) &&
                       int64_t(p.batch) * p.nheads * p.seqlen_q <= INT32_MAX &&  // lse and D: one flat TMA each
-                      sm90::bwd_smem_bytes(sm90::bwd_tile(head_dim)) <= device.smem_limit;
+                      sm90::bwd_smem_bytes(sm90::bwd_tile(head_dim, p.causal())) <= device.smem_limit;
   return serves ? Family::kSm90 : Family::kSm80;
 }
 
@@ -220,7 +220,7 @@ BwdPlan plan_backward(BwdParams& p, DType dtype, int head_dim, const DeviceInfo&
   plan.dtype = dtype;
   plan.family = backward_family(p, dtype, head_dim, device);
   if (plan.family == Family::kSm90) {
-    plan.shape = sm90::bwd_tile(plan.head_dim);  // one tile
+    plan.shape = sm90::bwd_tile(plan.head_dim, p.causal());  // one tile per head dim and causality
   } else {
     plan.tile = bwd_tile_for(plan.head_dim, device.smem_limit, device.code_arch >= 90);
     plan.shape = bwd_tile_shape(plan.tile, plan.head_dim);

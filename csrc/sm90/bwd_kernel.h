@@ -7,8 +7,9 @@
 //                                                                                      docs/tuning.md#sm90-backward
 //
 // Names: g* global tiles, s* shared (s*t: the transposed view of the same bytes), t*r* register fragments partitioned
-// by an MMA (tSr: of S^T = K Q^T, tdPr: of dP^T = V dO^T, tdVr / tdKr: of dV, dK, tdQr: of dQ = dS K); m: a query
-// block, n: a key block. Statistics per query: lse (natural log, the forward's), D = rowsum(dO * O) (the preprocess's).
+// by an MMA (tSr: of S^T = K Q^T, tdPr: of dP^T = V dO^T, tdVr / tdKr: of dV, dK, tdQr: of dQ = dS K, or of
+// dQ^T = K^T dS^T where the traits swap it); m: a query block, n: a key block. Statistics per query: lse (natural
+// log, the forward's), D = rowsum(dO * O) (the preprocess's).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -18,6 +19,7 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "sm90/bwd_dq_stage.h"
 #include "sm90/bwd_mma_wide.h"
 #include "sm90/bwd_traits.h"
 #include "sm90/utils.h"
@@ -39,6 +41,17 @@ constexpr int kdSBarrier = 0;
 // full (the MMA warpgroup wrote it; the writer waits). 128 MMA threads and the writer warp's 32 each.
 constexpr int kdQEmpty = 1, kdQFull = 1 + kBwdMmaWarpgroups;
 constexpr int kdQThreads = kWarpgroupThreads + 32;
+
+// An operand of dQ's GEMM, as its A or its B: dS is A and K^T B, or the other way round where the traits swap the GEMM
+// (dQ^T = K^T dS^T).
+template <bool kA, class ThrMma, class SmemTensor>
+__device__ __forceinline__ auto partition_fragment_ab(ThrMma const& thr, SmemTensor const& t) {
+  if constexpr (kA) {
+    return thr.partition_fragment_A(t);
+  } else {
+    return thr.partition_fragment_B(t);
+  }
+}
 
 // Deterministic mode's turns (one lane each): a key block adds its dQ share of a query block once the semaphore says
 // the key blocks before it in the turn order have, then passes the turn on once its adds are complete in global
@@ -73,6 +86,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   using N = typename Traits::N;
   using D = typename Traits::D;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr bool kdQSwapAB = Traits::kdQSwapAB;
   extern __shared__ __align__(1024) char smem[];
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
   const int warp = cutlass::canonical_warp_idx_sync();
@@ -136,11 +150,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------------------------------ producer
-    // The loads and the dQ writer need few registers; the MMA warpgroups get the rest. setmaxnreg draws on the CTA's
-    // own pool, 168 x 384 at launch: 128 x 40 + 256 x 232 is exactly that (FA3's other split; its 24 / 240 spilled
-    // 44 B here once the producer also loaded lse and D, and 32 / 240 would ask for more than the pool holds).
-    static_assert(kWarpgroupThreads * 40 + Traits::kMmaThreads * 232 <= 168 * kBwdThreads, "setmaxnreg's pool");
-    cutlass::arch::warpgroup_reg_dealloc<40>();
+    // The loads and the dQ writer need few registers; the MMA warpgroups get the rest (bwd_traits.h: kProducerRegs).
+    static_assert(kWarpgroupThreads * Traits::kProducerRegs + Traits::kMmaThreads * Traits::kMmaRegs <=
+                      168 * kBwdThreads,
+                  "setmaxnreg's pool");
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (!Traits::kWide && warp == 1 && m_begin < m_end) {
       // ---------------------------------------------------------------------------------------- dQ writer
       // Each query block's dQ share, staged by the MMA warpgroups, reduced into dq_accum by TMA (two boxes per
@@ -244,7 +258,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   }
 
   // -------------------------------------------------------------------------------------------- MMA warpgroups
-  cutlass::arch::warpgroup_reg_alloc<232>();
+  cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegs>();
   if constexpr (Traits::kWide) {
     bwd_mma_wide<Traits>(p, shared, q_pipe, do_pipe, n_block, head, batch, m_begin, m_end);
   } else {
@@ -267,20 +281,15 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       Tensor sdS = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdS{});    // (M, N, stages)
       Tensor sdSt = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdSt{});  // (N, M, stages)
       // Operands: K and V are S^T's and dP^T's A (M = keys), Q and dO their B (N = queries); dO^T and Q^T are dV's and
-      // dK's B (N = d, K = queries); dS and K^T are dQ's A and B.
+      // dK's B (N = d, K = queries); dS and K^T are dQ's A and B (swapped: dQ^T's B and A).
       Tensor tSrK = thr_sdp.partition_fragment_A(sK);
       Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
       Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
       Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
       Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);
       Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
-      Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-      Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
-      // dQ's registers -> this warpgroup's staging slab (64-bit stores through the swizzle).
-      Tensor sdQ = make_tensor(make_smem_ptr(shared.dq.data()), typename Traits::SmemLayoutdQ{});  // (M, d)
-      auto r2s_dq = make_tiled_copy_C(Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<64>, float>{}, mma_dq);
-      auto thr_r2s_dq = r2s_dq.get_thread_slice(tid);
-      Tensor tdQsdQ = thr_r2s_dq.partition_D(as_position_independent_swizzle_tensor(sdQ));
+      Tensor tdQrdS = partition_fragment_ab<!kdQSwapAB>(thr_dq, sdS);
+      Tensor tdQrK = partition_fragment_ab<kdQSwapAB>(thr_dq, sKt);
       const int mma_warpgroup = warpgroup - 1;
       // Stands in for the writer's first "empty": the slab starts free.
       if (warp % 4 == 0) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + mma_warpgroup);
@@ -360,9 +369,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         // dS visible to the async proxy (wgmma reads shared memory through it), and complete from both warpgroups.
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(Traits::kMmaThreads, kdSBarrier);
-        // dQ = dS K; returns once dV's GEMM retired, so dO's stage is free.
-        Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<M, D>{});
-        warpgroup_gemm<true, 1>(mma_dq, tdQrdS(_, _, _, s), tdQrK, tdQrdQ);
+        // dQ = dS K (swapped: dQ^T = K^T dS^T); returns once dV's GEMM retired, so dO's stage is free.
+        Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::dQShape{});
+        if constexpr (kdQSwapAB) {
+          warpgroup_gemm<true, 1>(mma_dq, tdQrK, tdQrdS(_, _, _, s), tdQrdQ);
+        } else {
+          warpgroup_gemm<true, 1>(mma_dq, tdQrdS(_, _, _, s), tdQrK, tdQrdQ);
+        }
         do_pipe.consumer_release(stage);
         // dK += dS^T Q, dS^T from registers; returns once dQ's GEMM retired.
         Tensor tdKrdS = make_tensor(rdS.data(), as_operand_a(tdPrdP.layout()));
@@ -371,7 +384,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         // This key block's share of dQ to the writer warp, while dK's GEMM runs: into the slab once the writer's
         // previous reduce has read it, then made visible to TMA (the async proxy).
         cutlass::arch::NamedBarrier::sync(kdQThreads, kdQEmpty + mma_warpgroup);
-        copy(r2s_dq, thr_r2s_dq.retile_S(tdQrdQ), tdQsdQ);
+        stage_dq<Traits>(mma_dq, tid, tdQrdQ, shared.dq.data());
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQFull + mma_warpgroup);
         warpgroup_wait<0>();

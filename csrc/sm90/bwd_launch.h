@@ -18,9 +18,10 @@
 
 namespace fa2::sm90 {
 
-template <int kHeadDim, DType kDType>
-void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
-  constexpr BwdTileShape kTile = bwd_tile(kHeadDim);
+// One tile of the head dim's (config.h: bwd_tile): full attention's or causal's, which are one at d64 and d256.
+template <int kHeadDim, bool kCausal, DType kDType>
+void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
+  constexpr BwdTileShape kTile = bwd_tile(kHeadDim, kCausal);
   using Traits = BwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, kDType>;
   using Element = typename Traits::Element;
   static_assert(Traits::kSmemSize <= bwd_smem_bytes(kTile), "config.h sizes the tile");
@@ -115,6 +116,16 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
 
   bwd_convert_dq_kernel<Element><<<row_grid, 32 * kRowKernelWarps, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "sm90 bwd convert launch");
+}
+
+// The plan's tile: one kernel per head dim, two where full attention's tile is not causal's (d128).
+template <int kHeadDim, DType kDType>
+void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
+  constexpr int kFullBlockM = bwd_tile(kHeadDim, false).block_m;
+  if constexpr (kFullBlockM != bwd_tile(kHeadDim, true).block_m) {
+    if (plan.shape.block_m == kFullBlockM) return run_bwd_tile<kHeadDim, false, kDType>(p, plan, stream);
+  }
+  run_bwd_tile<kHeadDim, true, kDType>(p, plan, stream);
 }
 
 }  // namespace fa2::sm90

@@ -40,6 +40,18 @@ constexpr auto bwd_dkv_op() {
   }
 }
 
+// dQ's wgmma: dQ = dS K (M = queries, N = head dim, K = keys), dS K-major and K^T MN-major; or swapped, dQ^T = K^T
+// dS^T (M = head dim, N = queries), where the queries are no multiple of wgmma's M (80): the same two tiles, with K^T
+// the A operand and dS the B. Per warpgroup: Cols columns of dQ (rows of dQ^T).
+template <bool kSwap, class Element, class M, class Cols, class N>
+constexpr auto bwd_dq_op() {
+  if constexpr (kSwap) {
+    return GMMA::ss_op_selector<Element, Element, float, Shape<Cols, M, N>, GMMA::Major::MN, GMMA::Major::K>();
+  } else {
+    return GMMA::ss_op_selector<Element, Element, float, Shape<M, Cols, N>, GMMA::Major::K, GMMA::Major::MN>();
+  }
+}
+
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, DType kDType>
 struct BwdTraits {
   using Element = std::conditional_t<kDType == DType::fp16, cutlass::half_t, cutlass::bfloat16_t>;
@@ -48,6 +60,12 @@ struct BwdTraits {
   static constexpr int kStagesdO = bwd_do_stages({kHeadDim, kBlockM, kBlockN, kStages, false, false});
   static constexpr int kStagesdS = kWide ? 1 : kStages;  // narrow: one per Q stage; wide: one P and one dS
   static constexpr int kdQCols = kWide ? 128 : kHeadDim;  // columns of one dQ GEMM
+  static constexpr bool kdQSwapAB = !kWide && kBlockM % 64 != 0;  // dQ^T = K^T dS^T (bwd_dq_op)
+  // setmaxnreg's split of the CTA's pool, 168 x 384 at launch, between the producer warpgroup (the loads, the dQ
+  // writer) and the MMA warpgroups: 40 / 232 is exact (24 / 240 spilled 44 B in the producer once it also loaded lse
+  // and D; 32 / 240 would ask for more than the pool holds). 80 queries: S^T, dP^T, dK and dV are 208 fp32 a thread,
+  // and at 232 ptxas serialized the wgmmas (its C7512) and spilled S^T across dP^T's GEMM: 24 / 240, FA3's split.
+  static constexpr int kProducerRegs = kdQSwapAB ? 24 : 40, kMmaRegs = kdQSwapAB ? 240 : 232;
   static constexpr int kMmaThreads = kBwdMmaWarpgroups * kWarpgroupThreads;
   static_assert(kWide ? kBlockN == 80 : kBlockN == 64 * kBwdMmaWarpgroups,
                 "narrow: each MMA warpgroup owns 64 keys; wide: 40 keys of S, 2 x 80 fp32 of dK^T and dV^T");
@@ -68,11 +86,13 @@ struct BwdTraits {
   using TiledMmadKV = decltype(make_tiled_mma(bwd_dkv_op<kWide, Element, M, N, D>(),
                                               Layout<Shape<Int<kBwdMmaWarpgroups>, _1, _1>>{}));
   // dQ = dS K: (M = queries, N = head dim, K = keys); the warpgroups split the head dim (64 queries are one wgmma M).
-  // Wide: one 128-column half at a time.
+  // Wide: one 128-column half at a time. Swapped (80 queries): dQ^T = K^T dS^T, (M = head dim, N = queries, K = keys),
+  // the warpgroups stacked on M, so each still owns the same 64 columns of dQ.
+  using dQShape = std::conditional_t<kdQSwapAB, Shape<D, M>, Shape<M, Int<kdQCols>>>;  // the GEMM's (M, N)
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<M, Int<kdQCols / kBwdMmaWarpgroups>, N>, GMMA::Major::K,
-                           GMMA::Major::MN>(),
-      Layout<Shape<_1, Int<kBwdMmaWarpgroups>, _1>>{}));
+      bwd_dq_op<kdQSwapAB, Element, M, Int<kdQCols / kBwdMmaWarpgroups>, N>(),
+      std::conditional_t<kdQSwapAB, Layout<Shape<Int<kBwdMmaWarpgroups>, _1, _1>>,
+                         Layout<Shape<_1, Int<kBwdMmaWarpgroups>, _1>>>{}));
   static_assert(size(TiledMmaSdP{}) == kMmaThreads && size(TiledMmadKV{}) == kMmaThreads &&
                 size(TiledMmadQ{}) == kMmaThreads);
 
@@ -127,11 +147,13 @@ struct BwdTraits {
                                           make_tensor(make_gmem_ptr(static_cast<float const*>(nullptr)), ShapeStats{},
                                                       Stride<_1>{}),
                                           Layout<StatsBox>{}, StatsBox{}, _1{}));
-  // dQ of a query block, staged for the writer warp's TMA reduce-add into the row-major fp32 dq_accum: (M, d), 128-byte
-  // swizzle (8 x 32-float atoms); MMA warpgroup w's slab, columns [64w, 64w + 64), is the first or second half.
+  // dQ of a query block, staged (bwd_dq_stage.h) for the writer warp's TMA reduce-add into the row-major fp32 dq_accum:
+  // (M, d), 128-byte swizzle (8 x 32-float atoms); MMA warpgroup w's slab, columns [64w, 64w + 64), is the first or
+  // second half.
   // Not staged when wide.
   using dQSlab = Shape<M, Int<kHeadDim / kBwdMmaWarpgroups>>;
   using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<M, D>{}));
+  using SmemLayoutdQt = decltype(composition(SmemLayoutdQ{}, make_layout(Shape<D, M>{}, Stride<M, _1>{})));  // dQ^T's
   using SmemLayoutdQSlab = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, dQSlab{}));
   using TmadQ = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{},
                                        make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), ShapeQKV{},

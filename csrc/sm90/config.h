@@ -45,17 +45,21 @@ constexpr bool fwd_serves(int head_dim, int seqlen_q, bool kvcache, int /*window
 // and two MMA warpgroups, which walk the query blocks that see their keys.
 // d64 and d128: 64 keys per warpgroup: S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory, dV += P^T dO and
 // dK += dS^T Q with P^T and dS^T from registers, dQ = dS K with dS through shared memory, staged in shared memory and
-// added into the fp32 dq_accum by the writer's TMA reduce-add. Two dO stages. 64 queries x 128 keys at d128 (FA3's
-// causal d128 tile, flash_bwd_launch_template.h), 128 x 128 at d64 (FA3's d64 tile: d64's GEMMs are short, so twice
-// the queries per block halve the handoffs per FLOP, +5-11% measured).
+// added into the fp32 dq_accum by the writer's TMA reduce-add. Two dO stages. d128: 80 queries x 128 keys for full
+// attention and 64 x 128 causal (FA3's d128 tiles, flash_bwd_launch_template.h): 80 queries are a quarter more work
+// for the same handoffs per block (pipeline waits, the dS barrier, the dQ slab); causal keeps FA3's 64. 80 is no
+// wgmma M, so that tile computes dQ^T = K^T dS^T (bwd_traits.h).
+// 128 x 128 at d64 (FA3's d64 tile: d64's GEMMs are short, so twice the queries per block halve the handoffs per
+// FLOP).
 // d256 (bwd_mma_wide.h): 64 x 80, FA3's d256 tile. dK and dV over all 256 dims for 64 keys would be 256 fp32
 // registers a thread, so the warpgroups split the head dim instead (dK^T, dV^T: 128 dims x 80 keys each, 160
 // registers), which puts P and dS in shared memory; S and dP are not transposed (40 keys per warpgroup), dQ is computed
 // per 128-column half and added by the MMA warps' red.global.add.v4.f32 (no staging). One dO stage: two would not fit.
 constexpr bool bwd_has_tile(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
-constexpr BwdTileShape bwd_tile(int head_dim) {
-  return {head_dim, head_dim == 64 ? 128 : 64, head_dim == 256 ? 80 : 128, 2, false, false};
+constexpr BwdTileShape bwd_tile(int head_dim, bool causal) {
+  const int block_m = head_dim == 64 ? 128 : head_dim == 128 && !causal ? 80 : 64;
+  return {head_dim, block_m, head_dim == 256 ? 80 : 128, 2, false, false};
 }
 
 // dO's stages: as many as Q's, but one at d256 (bwd_mma_wide.h releases it mid-block).
