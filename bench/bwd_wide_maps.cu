@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "host_check_cute.h"
 #include "sm90/bwd_traits.h"
 
 using namespace cute;
@@ -16,14 +17,6 @@ using M = T::M;
 using N = T::N;
 using D = T::D;
 
-int bad = 0;
-#define CHECK(cond, ...)                     \
-  do {                                       \
-    if (!(cond)) {                           \
-      if (bad < 10) printf(__VA_ARGS__);     \
-      ++bad;                                 \
-    }                                        \
-  } while (0)
 
 // bwd_mma_wide.h's half_slice and utils.h's rowcol, host side (theirs are __device__).
 template <int kH, class X>
@@ -160,44 +153,11 @@ int main() {
     for (int x : hit) CHECK(x == 1, "dK/dV cell written %d times\n", x);
     printf("4. dK/dV epilogue: %d mismatches\n", bad - before);
   }
-  // 5. stmatrix of P / dS, emulated from the atom's own thread/value layouts: within a warp, lane l's source value v
-  // is element ValLayoutSrc(l, v) of the atom's reference tile, and the lane l' with ValLayoutDst(l', v') equal to it
-  // supplies the address (partition_D's coordinate of its value v'). Each register must land on the (query, key) of
-  // its S accumulator element, and every cell of the 64 x 80 tile once.
+  // 5. stmatrix of P / dS, emulated (host_check_cute.h): each register on the (query, key) of its S accumulator
+  // element, every cell of the 64 x 80 tile once.
   {
     const int before = bad;
-    using Atom = T::SmemCopyAtomdS;
-    typename Atom::ValLayoutSrc src_tv;
-    typename Atom::ValLayoutDst dst_tv;
-    constexpr int kSrcVals = size<1>(src_tv), kDstVals = size<1>(dst_tv);
-    std::vector<int> hit(64 * 80, 0);
-    auto r2s = make_tiled_copy_C(Atom{}, mma_sdp);
-    for (int warp = 0; warp < 8; ++warp) {
-      for (int lane = 0; lane < 32; ++lane) {
-        const int tid = warp * 32 + lane;
-        Tensor cS = mma_sdp.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<M, N>{}));
-        Tensor src = r2s.get_thread_slice(tid).retile_S(cS);  // S's coordinates, in the copy's order
-        const int calls = size(src) / kSrcVals;
-        for (int k = 0; k < calls; ++k) {
-          for (int v = 0; v < kSrcVals; ++v) {
-            const int ref = src_tv(lane, v);
-            int found = 0;
-            for (int l2 = 0; l2 < 32; ++l2) {
-              for (int v2 = 0; v2 < kDstVals; ++v2) {
-                if (dst_tv(l2, v2) != ref) continue;
-                Tensor dst = r2s.get_thread_slice(warp * 32 + l2).partition_D(make_identity_tensor(Shape<M, N>{}));
-                const auto to = dst(v2 + kDstVals * k), from = src(v + kSrcVals * k);
-                CHECK(to == from, "stmatrix tid %d call %d v %d\n", tid, k, v);
-                if (!found) hit[get<0>(to) * 80 + get<1>(to)]++;
-                ++found;
-              }
-            }
-            CHECK(found >= 1, "stmatrix tid %d call %d v %d: no destination\n", tid, k, v);
-          }
-        }
-      }
-    }
-    for (int x : hit) CHECK(x == 1, "P cell written %d times\n", x);
+    check_stmatrix<T::SmemCopyAtomdS, Shape<M, N>>(mma_sdp, 64, 80, "P/dS");
     printf("5. P/dS stmatrix: %d mismatches\n", bad - before);
   }
   printf("%s: %d mismatches\n", bad ? "FAILED" : "ok", bad);

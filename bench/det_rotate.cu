@@ -13,17 +13,10 @@
 #include <vector>
 
 #include "common/schedule.h"
+#include "host_check.h"
 
 using fa2::RotatedTurns;
 
-int bad = 0;
-#define CHECK(cond, ...)                 \
-  do {                                   \
-    if (!(cond)) {                       \
-      if (bad < 10) printf(__VA_ARGS__); \
-      ++bad;                             \
-    }                                    \
-  } while (0)
 
 static int step_of(int n, int r, int M) { return ((r - n) % M + M) % M; }  // t(n, r)
 

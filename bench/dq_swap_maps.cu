@@ -17,18 +17,11 @@
 #include <vector>
 
 #include "sm90/bwd_dq_stage.h"
+#include "host_check_cute.h"
 #include "sm90/bwd_traits.h"
 
 using namespace cute;
 
-int bad = 0;
-#define CHECK(cond, ...)                 \
-  do {                                   \
-    if (!(cond)) {                       \
-      if (bad < 10) printf(__VA_ARGS__); \
-      ++bad;                             \
-    }                                    \
-  } while (0)
 
 // bwd_kernel.h's rowcol_t and utils.h's as_operand_a, host side (theirs are __device__).
 template <class L>
@@ -193,44 +186,11 @@ int main() {
     printf("2. fragments: %d mismatches\n", bad - before);
   }
 
-  // 3. stmatrix.trans of dS^T, emulated from the atom's own thread/value layouts: lane l's source value v is element
-  // ValLayoutSrc(l, v) of the atom's reference tile, and the lane l' with ValLayoutDst(l', v') equal to it supplies
-  // the address (partition_D's coordinate in the (key, query) view). Each register must land on its (key, query), and
-  // every cell of the 128 x 80 tile once.
+  // 3. stmatrix.trans of dS^T, emulated (host_check_cute.h) in the (key, query) view: each register on its (key,
+  // query), every cell of the 128 x 80 tile once.
   {
     const int before = bad;
-    using Atom = T::SmemCopyAtomdS;
-    typename Atom::ValLayoutSrc src_tv;
-    typename Atom::ValLayoutDst dst_tv;
-    constexpr int kSrcVals = size<1>(src_tv), kDstVals = size<1>(dst_tv);
-    std::vector<int> hit(128 * 80, 0);
-    auto r2s = make_tiled_copy_C(Atom{}, mma_sdp);
-    for (int warp = 0; warp < 8; ++warp) {
-      for (int lane = 0; lane < 32; ++lane) {
-        const int tid = warp * 32 + lane;
-        Tensor cS = mma_sdp.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<N, M>{}));
-        Tensor src = r2s.get_thread_slice(tid).retile_S(cS);
-        const int calls = size(src) / kSrcVals;
-        for (int k = 0; k < calls; ++k) {
-          for (int v = 0; v < kSrcVals; ++v) {
-            const int ref = src_tv(lane, v);
-            int found = 0;
-            for (int l2 = 0; l2 < 32; ++l2) {
-              for (int v2 = 0; v2 < kDstVals; ++v2) {
-                if (dst_tv(l2, v2) != ref) continue;
-                Tensor dst = r2s.get_thread_slice(warp * 32 + l2).partition_D(make_identity_tensor(Shape<N, M>{}));
-                const auto to = dst(v2 + kDstVals * k), from = src(v + kSrcVals * k);
-                CHECK(to == from, "stmatrix tid %d call %d v %d\n", tid, k, v);
-                if (!found) hit[get<0>(to) * 80 + get<1>(to)]++;
-                ++found;
-              }
-            }
-            CHECK(found >= 1, "stmatrix tid %d call %d v %d: no destination\n", tid, k, v);
-          }
-        }
-      }
-    }
-    for (int x : hit) CHECK(x == 1, "dS cell stored %d times\n", x);
+    check_stmatrix<T::SmemCopyAtomdS, Shape<N, M>>(mma_sdp, 128, 80, "dS^T");
     printf("3. stmatrix.trans of dS^T: %d mismatches\n", bad - before);
   }
 
