@@ -6,10 +6,10 @@ to unsharded attention's fp64 reference.
 On the CPU (gloo, 2 and 4 processes) the kernels are the reference kernels of test_context_parallel.py in float64
 and the ring must match to rounding, with each rank launching one forward and one backward per (query chunk, key
 chunk) pair that see each other by position and none for the others; a case that shards one way and calls the other
-must fail the same check. On 2 GPUs (NCCL) the real kernels meet FlashAttention's rule in bf16. The GPU cases also
-run under torchrun, outside pytest:
+must fail the same check. On 2 and 4 GPUs (NCCL) the real kernels meet FlashAttention's rule in bf16. The GPU cases
+of one world size also run under torchrun, outside pytest:
 
-    torchrun --nproc-per-node 2 tests/test_context_parallel_ring.py
+    torchrun --nproc-per-node 2 tests/test_context_parallel_ring.py    # or 4
 """
 import datetime
 import json
@@ -69,6 +69,10 @@ GPU_CASES = [
          dict(causal=True, window_size=(700, 0), softcap=30.0), True),
     Case("gpu_contiguous_window_both_sides_sink_mqa", 2, False, "alltoall", 8, 1, dict(window_size=(300, 200)), True),
     Case("gpu_contiguous_full", 2, False, "allgather", 8, 8, dict(), False),
+    Case("gpu4_balanced_causal_window_softcap_sink_gqa", 4, True, "alltoall", 8, 2,
+         dict(causal=True, window_size=(700, 0), softcap=30.0), True),
+    Case("gpu4_balanced_causal_mqa", 4, True, "allgather", 8, 1, dict(causal=True), False),
+    Case("gpu4_contiguous_window_both_sides_sink", 4, False, "allgather", 8, 2, dict(window_size=(300, 200)), True),
 ]
 CASES = {c.name: c for c in CPU_CASES + [WRONG_CASE] + GPU_CASES}
 CPU_SEQLEN, CPU_HEAD_DIM = 192, 16  # 4 ranks, balanced: chunks of 24, so the windows cut and skip chunks
@@ -231,22 +235,24 @@ def test_bad_calls_are_named():
 
 
 @pytest.mark.gpu
-@pytest.mark.gpus(2)
-@pytest.mark.parametrize("case", GPU_CASES, ids=[c.name for c in GPU_CASES])
-def test_ring_on_two_gpus_meets_the_rule(case, require_kernel, tmp_path):
-    """The real kernels on 2 GPUs (NCCL), bf16: every rank's out and gradients within the 2x rule."""
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.gpus(c.world)) for c in GPU_CASES],
+                         ids=[c.name for c in GPU_CASES])
+def test_ring_on_gpus_meets_the_rule(case, require_kernel, tmp_path):
+    """The real kernels on 2 and 4 GPUs (NCCL), bf16: every rank's out and gradients within the 2x rule."""
     require_kernel("fwd", GPU_HEAD_DIM, torch.bfloat16)
     require_kernel("bwd", GPU_HEAD_DIM, torch.bfloat16)
     for rank, outcome in enumerate(spawn(case.world, "cuda", [case.name], tmp_path)[case.name]):
         assert outcome == "ok", f"rank {rank}:\n{outcome}"
 
 
-if __name__ == "__main__":  # torchrun --nproc-per-node 2 tests/test_context_parallel_ring.py: the GPU cases
+if __name__ == "__main__":  # torchrun --nproc-per-node 2|4 tests/test_context_parallel_ring.py: that world's GPU cases
     out_dir = tempfile.mkdtemp(prefix="fa2_ring")
-    worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "cuda", [c.name for c in GPU_CASES], out_dir, None)
+    world = int(os.environ["WORLD_SIZE"])
+    names = [c.name for c in GPU_CASES if c.world == world]
+    worker(int(os.environ["RANK"]), world, "cuda", names, out_dir, None)
     with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json")) as f:
         failed = {name: o for name, o in json.load(f).items() if o != "ok"}
-    print(f"rank {os.environ['RANK']}: {len(GPU_CASES) - len(failed)}/{len(GPU_CASES)} cases ok", flush=True)
+    print(f"rank {os.environ['RANK']}: {len(names) - len(failed)}/{len(names)} cases ok", flush=True)
     for name, o in failed.items():
         print(f"rank {os.environ['RANK']} {name}:\n{o}", flush=True)
     sys.exit(1 if failed else 0)
