@@ -257,13 +257,14 @@ def torchrun_results(tmp_path_factory):
     """The results per rank of the launch that runs `case` (process start, NCCL and compilation cost seconds each,
     so each launch runs once for the module)."""
     def results(case):
-        world = next(w for w, cases in launches(torch.cuda.device_count()).items() if case in cases)
+        plan = launches(torch.cuda.device_count())
+        world = next(w for w, cases in plan.items() if case in cases)
         if world not in _LAUNCH:
             out = tmp_path_factory.mktemp(f"cp_sdpa{world}")
             env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                    os.path.abspath(__file__), "--out", str(out),
-                   "--cases", ",".join(launches(torch.cuda.device_count())[world])]
+                   "--cases", ",".join(plan[world])]
             try:  # a hung collective ends at the process group's 120 s timeout; this reports how far it got
                 run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480)
             except subprocess.TimeoutExpired as e:
