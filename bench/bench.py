@@ -564,11 +564,13 @@ def run_decode(args):
         q = torch.randn(b, sq, h, d, device="cuda", dtype=dt)
         k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=dt) for _ in range(2))
         moved = size * (2 * b * sq * h * d + 2 * b * sk * hk * d)
-        cells, us = [], {}
+        cells, us, timed = [], {}, {}
         for impl in impls:
+            timers = {}
             try:
                 fn, expanded = decode_fn(impl, fa2, q, k, v)
                 ms = common.time_ms(fn)
+                timers = dict(us_host=common.per_call_us(fn), us_graph=common.kernel_us(fn)) if args.timers else {}
             except Exception as e:
                 print(f"#   {impl} b{b} sq{sq} sk{sk} failed: {type(e).__name__}: {str(e)[:160]}")
                 ms, expanded = None, False
@@ -577,13 +579,22 @@ def run_decode(args):
             tflops = None if ms is None else common.flops(b, h, sq, sk, d, False) / ms / 1e9
             rows.write(impl=impl, mode="decode", dtype=args.dtype, hdim=d, causal=False, seqlen=sq, seqlen_k=sk,
                        batch=b, nheads=h, nheads_k=hk, ms=ms, us=us[impl], tflops=tflops, gbps=gbps,
-                       kv_expanded=expanded)
+                       kv_expanded=expanded, **timers)
+            timed[impl] = timers
             cells.append(f"{us[impl]:15.1f}{'*' if expanded else ' '} {gbps:6.0f}" if ms else f"{'-':>16} {'-':>6}")
             torch.cuda.empty_cache()
         ratio = us["sdpa_flash"] / us["fa2"] if us.get("fa2") and us.get("sdpa_flash") else math.nan
         rotary = (f" {us['fa2_rotary'] / us['fa2_append']:13.3f}" if us.get("fa2_rotary") and us.get("fa2_append")
                   else f" {'-':>13}") if rotary_ratio else ""
         print(f"{b:>5} {sq:>3} {sk:>8} " + " ".join(cells) + f" {ratio:9.2f}" + rotary, flush=True)
+        for impl, t in timed.items():
+            if t:
+                print(f"#   {impl}: host {t['us_host']:.1f} us a call (back to back), kernels {t['us_graph']:.1f} us "
+                      f"(graph replay)", flush=True)
+        if rotary_ratio and timed.get("fa2_rotary") and timed.get("fa2_append"):
+            r, a = timed["fa2_rotary"], timed["fa2_append"]
+            print(f"#   rotary / append: host {r['us_host'] / a['us_host']:.3f}, kernels "
+                  f"{r['us_graph'] / a['us_graph']:.3f}", flush=True)
         del q, k, v
         torch.cuda.empty_cache()
     rows.close()
@@ -941,6 +952,10 @@ def parser():
                         "fa2.attention_with_kvcache on the same cache; fa2_paged: the cache in shuffled 256-row pages; "
                         "fa2_append: appending the step's rows first; fa2_rotary: the same with a rotary "
                         "embedding, q and the new keys rotated in the append)")
+    p.add_argument("--timers", action="store_true",
+                   help="also each call's host wall time (back-to-back calls) and its kernels' GPU time alone (CUDA-graph "
+                        "replay), beside do_bench's: a decode step is host-bound at small batches, and served from a "
+                        "captured graph")
     p.add_argument("--out", default=None, help="results .jsonl (default bench/results/<gpu>-<date>-decode.jsonl)")
     p.add_argument("--no-check", action="store_true", help="skip the tests' reference check before timing")
     p.set_defaults(run=run_decode)

@@ -5,6 +5,7 @@
     python bench/prof.py source source.csv.gz [--groups]              # where warps stall, per SASS instruction
     python bench/prof.py sass build/dev/_C.abi3.so --kernel "fwd_kernel<.*<128,"  # mainloop SASS, no GPU
     python bench/prof.py step --compile                               # a training step under torch.profiler
+    python bench/prof.py parts --mode bwd                             # per-kernel time, fa2 and SDPA-cuDNN
 
 kernel and vs-flash are targets for ncu (or nsys); run alone they print a sanity time only: bench/bench.py is where
 timings come from. `ncu` command lines are in each mode's --help; bench/verify.sh's ncu mode runs vs-flash and source
@@ -333,6 +334,60 @@ def run_sass(a):
     return 0
 
 
+# ------------------------------------------------------------------------------------------------------- parts
+PARTS_DOC = """Per-kernel GPU time (torch.profiler, the mean of 10 calls) of one fa2.fwd or fa2.bwd call and of the same
+call through SDPA's cuDNN backend, at the sweep's shapes (16k tokens, hidden 2048): a call's fixed passes (the
+backward's D = rowsum(dO * O) and dQ conversion) beside its main kernel, for both."""
+
+
+def run_parts(a):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+    common.require_gpu("prof.py parts")
+    fa2 = common.load(a.build)
+    dt = common.dtype(a.dtype)
+    print(common.header("prof.py parts", fa2))
+    print(f"# {a.mode}, {a.dtype}: us per call, total then its kernels (the 4 longest)")
+    for d in common.csv_list(a.hdims, int):
+        for n in common.csv_list(a.seqlens, int):
+            for causal in (False, True):
+                b, h = 16384 // n, 2048 // d
+                q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=dt) for _ in range(3))
+                do = torch.randn_like(q)
+                o, lse = fa2.fwd(q, k, v, causal=causal)
+                qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    ot = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+                def cudnn_fwd():
+                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                        F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                calls = ({"fa2": lambda: fa2.fwd(q, k, v, causal=causal), "sdpa_cudnn": cudnn_fwd} if a.mode == "fwd"
+                         else {"fa2": lambda: fa2.bwd(do, q, k, v, o, lse, causal=causal),
+                               "sdpa_cudnn": lambda: torch.autograd.grad(ot, (qt, kt, vt), do.transpose(1, 2),
+                                                                         retain_graph=True)})
+                for name, fn in calls.items():
+                    for _ in range(3):
+                        fn()
+                    torch.cuda.synchronize()
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(10):
+                            fn()
+                        torch.cuda.synchronize()
+                    per_kernel = defaultdict(float)
+                    for e in prof.events():
+                        if e.device_type == torch.autograd.DeviceType.CUDA:
+                            per_kernel[e.name] += e.device_time_total / 10
+                    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:4]
+                    print(f"d{d} {n:>5} {'causal' if causal else 'full  '} {name:>10}: {sum(per_kernel.values()):8.1f}  "
+                          + "; ".join(f"{demangle(kn)[:44]} {us:.1f}" for kn, us in top), flush=True)
+                del q, k, v, do, o, lse, qt, kt, vt, ot
+                torch.cuda.empty_cache()
+    return 0
+
+
 # -------------------------------------------------------------------------------------------------------- step
 def run_step(a):
     import torch
@@ -497,6 +552,14 @@ def parser():
     p.add_argument("--blocks", action="store_true", help="also each basic block of each loop")
     p.add_argument("--top", type=int, default=20, help="opcodes listed per loop")
     p.add_argument("--bin", default=None, help="directory holding cuobjdump and nvdisasm")
+
+    p = mode("parts", "Per-kernel GPU time of one fa2 call and of SDPA-cuDNN's at the sweep's shapes (torch.profiler).",
+             PARTS_DOC, run_parts)
+    p.add_argument("--mode", choices=("fwd", "bwd"), default="bwd")
+    p.add_argument("--hdims", default="64,128,256")
+    p.add_argument("--seqlens", default="1024,4096,16384")
+    p.add_argument("--dtype", choices=common.DTYPE_NAMES, default="bf16")
+    p.add_argument("--build", default=None, help="fa2._C of this folder (CMake build dir or _C*.so.NN parts)")
 
     p = mode("step", "Where a training step's time goes: examples/train_gpt.py's GPT under torch.profiler, fa2 and "
                      "SDPA.", STEP_DOC, run_step)
