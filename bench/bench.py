@@ -636,14 +636,9 @@ def ab_worker(args):
             result["kernels"] = sorted({e.name for e in prof.events() if "_kernel" in e.name and "fa2" in e.name})
     dt = common.dtype(args.dtype)
     for d, causal, n in points:
-        b, h = 16384 // n, 2048 // d
         torch.manual_seed(n + d)
-        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=dt) for _ in range(3))
-        do = torch.randn_like(q)
-        o, lse = fa2.fwd(q, k, v, causal=causal)
-        qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            ot = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        q, k, v, do, o, lse, (qt, kt, vt), ot = common.paired_inputs(fa2, 16384 // n, n, 2048 // d, d, dt, causal,
+                                                                      SDPBackend.FLASH_ATTENTION)
         for mode in modes:
             if mode == "fwd":
                 def flash():

@@ -93,6 +93,22 @@ def kernel_us(fn, n=100):
     return start.elapsed_time(end) / n * 1e3
 
 
+def paired_inputs(fa2, batch, seqlen, nheads, hdim, dt, causal, backend):
+    """q, k, v, dout (batch, seqlen, nheads, hdim) on the GPU, fa2's forward of them (out, lse), and the same inputs
+    transposed for SDPA with its forward on `backend` (an SDPBackend) kept for autograd: (q, k, v, dout, out, lse,
+    (qt, kt, vt), out_t)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+    q, k, v = (torch.randn(batch, seqlen, nheads, hdim, device="cuda", dtype=dt) for _ in range(3))
+    dout = torch.randn_like(q)
+    out, lse = fa2.fwd(q, k, v, causal=causal)
+    qkv_t = tuple(t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel([backend]):
+        out_t = F.scaled_dot_product_attention(*qkv_t, is_causal=causal)
+    return q, k, v, dout, out, lse, qkv_t, out_t
+
+
 def require_gpu(tool):
     import torch
     if not torch.cuda.is_available():

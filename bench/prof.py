@@ -353,13 +353,8 @@ def run_parts(a):
     for d in common.csv_list(a.hdims, int):
         for n in common.csv_list(a.seqlens, int):
             for causal in (False, True):
-                b, h = 16384 // n, 2048 // d
-                q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=dt) for _ in range(3))
-                do = torch.randn_like(q)
-                o, lse = fa2.fwd(q, k, v, causal=causal)
-                qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
-                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                    ot = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                q, k, v, do, o, lse, (qt, kt, vt), ot = common.paired_inputs(
+                    fa2, 16384 // n, n, 2048 // d, d, dt, causal, SDPBackend.CUDNN_ATTENTION)
 
                 def cudnn_fwd():
                     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
