@@ -27,6 +27,7 @@ attention, the merge, the float32 gradient sums) and should rise with the chunk.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import os
 import re
@@ -93,8 +94,8 @@ def overlap(kernels) -> dict:
 
 
 def attention_kernels(args, mesh, data, vocab) -> dict:
-    """{"kernels": {kernel name: launches per step} of the attention kernels, **overlap(...)} of one profiled cp
-    training step (after one unprofiled one)."""
+    """{"kernels": {kernel name: launches per step} of the attention kernels, "others": {kernel name: ms} of the ten
+    costliest of the rest (not NCCL's), **overlap(...)} of one profiled cp training step (after one unprofiled one)."""
     from torch.profiler import ProfilerActivity, profile
 
     with train_gpt.sdpa_backends(train_gpt_cp.BACKENDS[args.attn]), \
@@ -112,7 +113,11 @@ def attention_kernels(args, mesh, data, vocab) -> dict:
              if e.self_device_time_total > 0 and ATTENTION_KERNELS.search(e.key) and not OPS.match(e.key)}
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA and not OPS.match(e.name)]
-    return {"kernels": names, **overlap(kernels)}
+    others = collections.Counter()
+    for name, start, end in kernels:
+        if not ATTENTION_KERNELS.search(name) and "nccl" not in name.lower():
+            others[name[:100]] += (end - start) / 1e3
+    return {"kernels": names, "others": {n: round(ms, 2) for n, ms in others.most_common(10)}, **overlap(kernels)}
 
 
 class Run:
@@ -249,6 +254,9 @@ def summarize(run):
             print(f"{r['impl']:10} {r['rotate']:9} chunk {r['chunk']:6d}: communication {r['comm_ms']:.1f} ms, "
                   f"{fmt(r['comm_hidden'] and 100 * r['comm_hidden'], '.0f')}% of it under computation; attention "
                   f"kernels {r['attention_ms']:.1f} ms; GPU busy {r['busy_ms']:.1f} ms (rank 0, one profiled step)")
+            if r.get("others"):
+                print(f"{'':10} the costliest other kernels, ms: " + "; ".join(f"{n[:70]} {ms:.1f}"
+                                                                       for n, ms in r["others"].items()))
         if r["mode"] == "kernels":
             print(f"{r['impl']:10} attention kernels per step: " + "; ".join(f"{c}x {n[:90]}" for n, c in r["kernels"].items()))
 
