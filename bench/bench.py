@@ -570,7 +570,8 @@ def run_decode(args):
             try:
                 fn, expanded = decode_fn(impl, fa2, q, k, v)
                 ms = common.time_ms(fn)
-                timers = dict(us_host=common.per_call_us(fn), us_graph=common.kernel_us(fn)) if args.timers else {}
+                if args.timers:
+                    timers = dict(us_host=common.per_call_us(fn), us_graph=common.kernel_us(fn))
             except Exception as e:
                 print(f"#   {impl} b{b} sq{sq} sk{sk} failed: {type(e).__name__}: {str(e)[:160]}")
                 ms, expanded = None, False
