@@ -115,7 +115,8 @@ def run_kvcache():
 HOPPER_CASES = [(1, 77, 133, 4, 2, 64, True), (2, 130, 61, 2, 1, 64, True), (1, 200, 200, 2, 2, 256, True),
                 (1, 1030, 100, 2, 2, 256, False), (1, 129, 257, 8, 1, 128, False), (2, 300, 80, 2, 2, 128, True),
                 (2, 1030, 300, 8, 2, 64, True), (1, 2100, 2100, 8, 8, 128, False), (2, 333, 161, 4, 1, 256, True),
-                (2, 161, 200, 4, 2, 128, False)]  # d128's 80-row backward tile: a last block of one row
+                (2, 161, 200, 4, 2, 128, False),  # d128's 80-row backward tile: a last block of one row
+                (3, 300, 700, 16, 4, 64, True)]  # 288 backward tiles: persistent CTAs take several each
 # Packed batches on the Hopper forward (more than 64 rows in the longest, so that it serves them): tiles past a
 # sequence's end, sequences shorter than a tile, empty ones, each TMA store cut at its sequence's end.
 HOPPER_VARLEN = [([0, 1, 77, 300, 5], [3, 0, 64, 129, 500], 4, 2, 64, True),

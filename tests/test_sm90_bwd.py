@@ -72,6 +72,33 @@ def test_hopper_backward_matches_the_reference(d, sq, sk, b, h, hk, dtype, causa
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,b,sq,sk,h,hk", [(64, 3, 1000, 1100, 16, 4), (128, 8, 300, 300, 16, 16),
+                                             (128, 2, 1500, 700, 24, 8), (256, 2, 700, 900, 16, 2)],
+                         ids=["d64_1000x1100_gqa", "d128_b8_300", "d128_1500x700_gqa", "d256_700x900"])
+def test_a_persistent_cta_computes_every_tile_it_draws(d, b, sq, sk, h, hk, causal, launch_overrides, require_kernel):
+    """d64 and d128 run one persistent CTA per SM, drawing (key block, head, batch) tiles from a counter that the
+    preprocess zeroes (bwd_kernel.h): here several tiles a CTA, of unequal lengths (causal, ragged ends, GQA), twice in a
+    row, so a counter left from the first call (or a tile two CTAs both took, or none did) shows in the second's
+    gradients. d256 keeps a CTA per tile: the same check on its path."""
+    require_kernel("bwd", d, torch.bfloat16)
+    launch_overrides(family="sm90")
+    tiles = -(-sk // (80 if d == 256 else 128)) * h * b
+    assert tiles > 2 * torch.cuda.get_device_properties(0).multi_processor_count, "the case must span several waves"
+    q = randn(b, sq, h, d)
+    k, v = (randn(b, sk, hk, d) for _ in range(2))
+    out, lse = fa2.fwd(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    first = fa2.bwd(dout, q, k, v, out, lse, causal=causal)
+    second = fa2.bwd(dout, q, k, v, out, lse, causal=causal)
+    label = f"sm90 persistent d{d} b{b} {sq}x{sk} h{h}/{hk} causal={causal}"
+    check_grads(first, q, k, v, dout, causal, label)
+    check_grads(second, q, k, v, dout, causal, label + " (second call)")
+    names = bwd_kernel_names(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=causal))
+    assert any("sm90" in n for n in names) == hopper_bwd_expected(d), names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [128, 256], ids=["d128", "d256"])
 def test_hopper_backward_with_strided_inputs_and_given_buffers(d, causal, launch_overrides, require_kernel):
     """q, k, v as slices of a packed qkv tensor (TMA reads them in place), dq/dk/dv the caller's, every element

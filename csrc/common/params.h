@@ -79,7 +79,8 @@ struct FwdParams {
   float* o_partial = nullptr;    // (num_splits, lse_rows, head_dim) fp32
   float* lse_partial = nullptr;  // (num_splits, lse_rows) fp32
 
-  // The Hopper forward's tile counter (sm90/tile_scheduler.h): one int32 that its launch zeroes.
+  // The Hopper family's tile counter (sm90/tile_scheduler.h, sm90/bwd_kernel.h): one int32, zeroed by the forward's
+  // launch and by the backward's preprocess.
   int* tile_counter = nullptr;
 
   // Packed variable-length batches (both nullptr for padded ones): sequence b owns tokens

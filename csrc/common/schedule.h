@@ -17,19 +17,20 @@ struct BlockHead {
 
 // kHeavyLast: the heaviest block has the highest index (forward: a query block sees more keys the later
 // it is); otherwise block 0 is the heaviest (backward: key block 0 is seen by every query).
-// (x, y): the CTA's place in the dispatch order, blockIdx unless the kernel draws it from a ticket.
+// (x, y): the work's place in the dispatch order of a (blocks, heads) grid: blockIdx, or a ticket or a persistent
+// CTA's tile (sm90/bwd_kernel.h) taken apart as blockIdx would be.
 template <bool kHeavyLast>
-__device__ __forceinline__ BlockHead scheduled_block(int head_group, int x, int y) {
+__device__ __forceinline__ BlockHead scheduled_block(int head_group, int x, int y, int blocks) {
   if (head_group == 0) return {x, y};
   const int group = head_group;
-  const int rank = x + int(gridDim.x) * (y % group);  // dispatch order within the group
-  const int heaviness = rank / group;                 // 0 = heaviest
-  return {kHeavyLast ? int(gridDim.x) - 1 - heaviness : heaviness, y - y % group + rank % group};
+  const int rank = x + blocks * (y % group);  // dispatch order within the group
+  const int heaviness = rank / group;         // 0 = heaviest
+  return {kHeavyLast ? blocks - 1 - heaviness : heaviness, y - y % group + rank % group};
 }
 
 template <bool kHeavyLast>
 __device__ __forceinline__ BlockHead scheduled_block(int head_group) {
-  return scheduled_block<kHeavyLast>(head_group, int(blockIdx.x), int(blockIdx.y));
+  return scheduled_block<kHeavyLast>(head_group, int(blockIdx.x), int(blockIdx.y), int(gridDim.x));
 }
 
 template <bool kHeavyLast>

@@ -338,7 +338,12 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
   p.dkv_fp32 = grouped;
   const BwdPlan plan = plan_backward(p, dtype, kernel_dim, device_info(p));
   // The Hopper backward adds dQ from every key block into dq_accum; deterministic, it takes turns per query block.
-  std::optional<Tensor> dq_semaphore;
+  // Otherwise its persistent CTAs draw their tiles from a counter.
+  std::optional<Tensor> dq_semaphore, tile_counter;
+  if (!deterministic && plan.family == Family::kSm90) {
+    tile_counter = new_tensor(q, {1}, ScalarType::Int);
+    p.tile_counter = static_cast<int*>(tile_counter->data_ptr());
+  }
   if (deterministic && plan.family == Family::kSm90) {
     const int64_t m_blocks = (s.seqlen_q + plan.shape.block_m - 1) / plan.shape.block_m;
     dq_semaphore = new_tensor(q, {int64_t(s.batch) * nheads * m_blocks + 1}, ScalarType::Int);  // + the tickets

@@ -18,6 +18,8 @@ __global__ void bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
   const int lanes = row_lanes(p.head_dim), lane = threadIdx.x % 32, sub = lane % lanes;
   const int row = (blockIdx.x * kRowKernelWarps + threadIdx.x / 32) * (32 / lanes) + lane / lanes;
   const int head = blockIdx.y, batch = blockIdx.z;
+  // The persistent Hopper backward's tile counter (sm90/bwd_kernel.h), zeroed here rather than by a launch of its own.
+  if (p.tile_counter != nullptr && (blockIdx.x | blockIdx.y | blockIdx.z | threadIdx.x) == 0) *p.tile_counter = 0;
   const SeqInfo seq(p, batch, head);
   const bool valid = row < seq.seqlen_q;
   float dot = 0.f;

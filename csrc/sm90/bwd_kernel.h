@@ -1,9 +1,11 @@
-// The Hopper backward (fa2.reference.flash_bwd_tiled's inner loop, KV-stationary), warp-specialized: one CTA per
-// (key block, head, batch). Warp 0 of warpgroup 0 loads K and V once and streams Q and dO (with lse and D) of every
-// query block that sees those keys through TMA rings; warpgroups 1 and 2 own 64 keys each, keep dK and dV in
-// registers for the whole stream, and stage each query block's dQ share in shared memory, which warp 1 of warpgroup 0
-// adds into the fp32 dq_accum by TMA reduce-add. d256 keeps the prologue and the producer; its MMA warpgroups are
-// bwd_mma_wide.h's.
+// The Hopper backward (fa2.reference.flash_bwd_tiled's inner loop, KV-stationary), warp-specialized. A tile is a
+// (key block, head, batch); a persistent CTA per SM takes them one after another from a counter (d64, d128), or one
+// CTA per tile runs (d256, deterministic mode). Warp 0 of warpgroup 0 draws the tiles, loads each tile's K and V once
+// and streams Q and dO (with lse and D) of every query block that sees those keys through TMA rings; warpgroups 1
+// and 2 own 64 keys each, keep dK and dV in registers for the whole stream, and stage each query block's dQ share in
+// shared memory, which warp 1 of warpgroup 0 adds into the fp32 dq_accum by TMA reduce-add. The next tile's first Q
+// and dO land while this one ends, and its K and V once this one's last GEMM that reads them retired. d256 keeps the
+// prologue and the producer; its MMA warpgroups are bwd_mma_wide.h's.
 //                                                                                      docs/tuning.md#sm90-backward
 //
 // Names: g* global tiles, s* shared (s*t: the transposed view of the same bytes), t*r* register fragments partitioned
@@ -22,6 +24,7 @@
 #include "sm90/bwd_dq_stage.h"
 #include "sm90/bwd_mma_wide.h"
 #include "sm90/bwd_traits.h"
+#include "sm90/tile_scheduler.h"
 #include "sm90/utils.h"
 
 namespace fa2::sm90 {
@@ -76,6 +79,31 @@ __device__ __forceinline__ void pass_turn(int* semaphore) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(semaphore) : "memory");
 }
 
+// What the tile at (x, y, batch) of the dispatch order covers: blockIdx in a grid of one CTA per tile, or tile t of a
+// persistent CTA taken apart as blockIdx would be (key blocks fastest, then heads, then batch entries): the CTAs running together read one head's Q and dO (L2 hits). Causal: key block 0 (seen by every
+// query) is the heaviest; the heaviest blocks of a group of heads go first, except in deterministic mode, where the
+// lightest go first (the turn order above). Bottom-right aligned: query i sees key j iff j <= i + diagonal (causal);
+// the query blocks that see a key of the block are [m_begin, m_end), none for a causal block past every row's
+// diagonal (dK = dV = 0 are still written). The walk: m_end - m_begin blocks from m_first, wrapping from m_end to
+// m_begin. Deterministic full attention (p.dq_rotate) starts key block n at m_begin + n mod the count, so a head's
+// CTAs add into different query blocks at each step instead of queueing behind key block 0; otherwise m_first =
+// m_begin. The producer, both MMA warpgroups and the dQ writer walk the same order; the pipeline stages follow it.
+struct BwdWork {
+  int n_block, head, batch, m_begin, m_end, m_first;
+};
+
+template <int kBlockM, int kBlockN, class Params>
+__device__ __forceinline__ BwdWork bwd_work(Params const& p, int x, int y, int batch) {
+  const bool lightest_first = p.dq_semaphore != nullptr && p.causal;
+  const BlockHead b = lightest_first ? scheduled_block</*kHeavyLast=*/true>(max(p.head_group, 1), x, y, p.n_blocks)
+                                     : scheduled_block</*kHeavyLast=*/false>(p.head_group, x, y, p.n_blocks);
+  const int diagonal = p.seqlen_k - p.seqlen_q;
+  const int m_begin = p.causal ? max(b.block * kBlockN - diagonal, 0) / kBlockM : 0;
+  const int m_end = ceil_div(p.seqlen_q, kBlockM), m_count = m_end - m_begin;
+  const int m_first = p.dq_rotate && m_count > 0 ? m_begin + b.block % m_count : m_begin;
+  return {b.block, b.head, batch, m_begin, m_end, m_first};
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT BwdKernelParams<Traits> const p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -91,34 +119,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
   const int warp = cutlass::canonical_warp_idx_sync();
   const int warpgroup = cutlass::canonical_warp_group_idx();
-  // Deterministic: each CTA takes its place in the order from a ticket drawn as it starts (the counter after the
-  // semaphores), so the CTAs it waits for have started, whatever order the hardware dispatches blockIdx in.
-  int x = blockIdx.x, y = blockIdx.y, z = blockIdx.z;
-  if (p.dq_semaphore) {
-    if (threadIdx.x == 0) shared.ticket = atomicAdd(p.dq_semaphore + p.m_blocks * gridDim.z * p.nheads, 1);
-    __syncthreads();
-    const int ticket = shared.ticket;
-    x = ticket % gridDim.x, y = ticket / gridDim.x % gridDim.y, z = ticket / (gridDim.x * gridDim.y);
-  }
-  // Causal: key block 0 (seen by every query) is the heaviest; the heaviest blocks of a group of heads go first,
-  // except in deterministic mode, where the lightest go first (the turn order above).
-  const bool lightest_first = p.dq_semaphore != nullptr && p.causal;
-  const BlockHead work = lightest_first ? scheduled_block</*kHeavyLast=*/true>(max(p.head_group, 1), x, y)
-                                        : scheduled_block</*kHeavyLast=*/false>(p.head_group, x, y);
-  const int n_block = work.block, head = work.head, batch = z, head_kv = head / p.head_group_kv;
-  // Bottom-right aligned: query i sees key j iff j <= i + diagonal (causal). The query blocks that see a key of this
-  // block are [m_begin, m_end); none (a causal block past every row's diagonal): dK = dV = 0 are still written.
-  const int diagonal = p.seqlen_k - p.seqlen_q;
-  const int m_begin = p.causal ? max(n_block * kBlockN - diagonal, 0) / kBlockM : 0;
-  const int m_end = ceil_div(p.seqlen_q, kBlockM);
-  // The walk: m_count blocks from m_first, wrapping from m_end to m_begin. Deterministic full attention
-  // (p.dq_rotate) starts key block n at m_begin + n mod m_count, so a head's CTAs add into different query blocks at
-  // each step instead of queueing behind key block 0; otherwise m_first = m_begin (the default path's order). The
-  // producer, both MMA warpgroups and the dQ writer walk the same order; the pipeline stages follow the walk.
-  const int m_count = m_end - m_begin;
-  const int m_first = p.dq_rotate && m_count > 0 ? m_begin + n_block % m_count : m_begin;
-  auto next_m = [m_begin, m_end](int m) { return m + 1 == m_end ? m_begin : m + 1; };
-
+  constexpr bool kPersistent = Traits::kPersistent;
+  const int num_tiles = p.n_blocks * p.nheads * p.batch;
+  constexpr int kTileReaders = Traits::kMmaThreads + (Traits::kWide ? 0 : 32);  // + the dQ writer warp
   if (warp == 0 && cute::elect_one_sync()) {
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
@@ -126,6 +129,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
     if constexpr (!Traits::kWide) cute::prefetch_tma_descriptor(p.tma_dq.get_tma_descriptor());
     shared.kv_full.init(1);
+    shared.kv_empty.init(Traits::kMmaThreads);
+    for (int i = 0; i < 2; ++i) shared.tile_full[i].init(1), shared.tile_empty[i].init(kTileReaders);
+    // Deterministic: the CTA's tile is a ticket drawn as it starts, so the CTAs it waits for have started, whatever
+    // order the hardware dispatches blockIdx in.
+    if (p.dq_semaphore) shared.ticket = atomicAdd(p.dq_semaphore + p.m_blocks * p.batch * p.nheads, 1);
   }
   // Q and dO have a ring each: a stage is released once the last GEMM that reads it has retired (dO after dV's and
   // dP's, Q after dK's), which is later for Q.
@@ -141,7 +149,32 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   do_pipe_params.num_consumers = pipe_params.num_consumers;
   do_pipe_params.transaction_bytes = Traits::kBytesQ;  // dO's tile and D's box
   PipelinedO do_pipe(shared.do_pipe, do_pipe_params, Shape<_1, _1, _1>{});
-  __syncthreads();  // the barriers are initialised before anyone waits on them
+  __syncthreads();  // the barriers are initialised (and the ticket drawn) before anyone waits on them
+  const int first_tile = p.dq_semaphore ? shared.ticket : int(blockIdx.x);  // persistent kernels' grids are 1-D
+  // The work of tile t: persistent kernels take t apart; the others have one tile, their blockIdx, or in deterministic
+  // mode their ticket taken apart as blockIdx would be.
+  auto work_of = [&](int t) {
+    if constexpr (kPersistent) {
+      return bwd_work<kBlockM, kBlockN>(p, t % p.n_blocks, t / p.n_blocks % p.nheads, t / p.n_blocks / p.nheads);
+    } else if (p.dq_semaphore) {
+      return bwd_work<kBlockM, kBlockN>(p, t % int(gridDim.x), t / int(gridDim.x) % int(gridDim.y),
+                                        t / int(gridDim.x * gridDim.y));
+    } else {
+      return bwd_work<kBlockM, kBlockN>(p, int(blockIdx.x), int(blockIdx.y), int(blockIdx.z));
+    }
+  };
+  // Tile i of this CTA: from the producer's mailbox (two slots, so that it may draw one ahead; past the last: none)
+  // where the kernel is persistent (config.h: bwd_persistent), else the CTA's one tile.
+  auto take_tile = [&](int i) {
+    if constexpr (kPersistent) {
+      shared.tile_full[i & 1].wait((i >> 1) & 1);
+      const int t = read_tile(shared.tiles[i & 1]);
+      shared.tile_empty[i & 1].arrive();
+      return t;
+    } else {
+      return first_tile;
+    }
+  };
 
   Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});     // (M, d, stages)
   Tensor sdO = make_tensor(make_smem_ptr(shared.dO.data()), typename Traits::SmemLayoutdO{});  // (M, d, stages)
@@ -155,101 +188,138 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
                       168 * kBwdThreads,
                   "setmaxnreg's pool");
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (!Traits::kWide && warp == 1 && m_begin < m_end) {
+    if (!Traits::kWide && warp == 1) {
       // ---------------------------------------------------------------------------------------- dQ writer
       // Each query block's dQ share, staged by the MMA warpgroups, reduced into dq_accum by TMA (two boxes per
       // slab; rows past seqlen_q are clipped), so the MMA warps issue no atomics. One lane issues and waits: bulk
       // groups are per-thread state.
       const bool leader = cute::elect_one_sync();
-      Tensor mdQ = p.tma_dq.get_tma_tensor(p.shape_q)(_, _, head, batch);                    // (rows, d)
-      Tensor gdQ = local_tile(mdQ, typename Traits::dQSlab{}, make_coord(_, _));           // (M, d/2, m, w)
-      // Deterministic: the adds into a query block's dQ in a fixed order (wait_for_turn), so the sums round the same
-      // every run.
-      // The semaphores are (query block, batch, head): the heads polling at once sit on different lines.
-      int* semaphore = p.dq_semaphore ? p.dq_semaphore + batch * p.nheads + head : nullptr;
-      const int semaphore_stride = int(gridDim.z) * p.nheads;
-      const RotatedTurns rotated(n_block, int(gridDim.x), max(m_count, 1));
-      for (int i = 0, m = m_first; i < m_count; ++i, m = next_m(m)) {
-        if (semaphore && leader) {
-          const int visitors = p.causal ? min(int(gridDim.x), (m * kBlockM + kBlockM - 1 + diagonal) / kBlockN + 1)
-                                        : int(gridDim.x);
-          const int turn = p.causal ? visitors - 1 - n_block : p.dq_rotate ? rotated(m - m_begin) : n_block;
-          wait_for_turn(semaphore + m * semaphore_stride, turn);
+      // A slab is free again once its reduce has read it. The MMA warpgroup's first wait is met by its own arrive, so
+      // the writer's arrivals after a tile's last block wait for the next tile with blocks: none is left half-arrived
+      // at exit.
+      bool owed = false;
+      for (int tile_i = 0; kPersistent || tile_i == 0; ++tile_i) {
+        const int t = take_tile(tile_i);
+        if (t >= num_tiles) break;
+        const BwdWork w = work_of(t);
+        const int m_count = w.m_end - w.m_begin, n_block = w.n_block, diagonal = p.seqlen_k - p.seqlen_q;
+        if (m_count <= 0) continue;
+        if (owed) {
+          cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty);
+          cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + 1);
         }
-        __syncwarp();
-        CUTE_UNROLL
-        for (int w = 0; w < kBwdMmaWarpgroups; ++w) {
-          Tensor sdQw = make_tensor(make_smem_ptr(shared.dq.data() + w * cosize(typename Traits::SmemLayoutdQSlab{})),
-                                    typename Traits::SmemLayoutdQSlab{});
-          auto [tdQg, tdQs] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQw),
-                                            group_modes<0, 2>(gdQ(_, _, m, w)));
-          cutlass::arch::NamedBarrier::sync(kdQThreads, kdQFull + w);
-          if (leader) {
-            copy(p.tma_dq, tdQs, tdQg);
-            tma_store_arrive();
+        Tensor mdQ = p.tma_dq.get_tma_tensor(p.shape_q)(_, _, w.head, w.batch);              // (rows, d)
+        Tensor gdQ = local_tile(mdQ, typename Traits::dQSlab{}, make_coord(_, _));           // (M, d/2, m, w)
+        // Deterministic: the adds into a query block's dQ in a fixed order (wait_for_turn), so the sums round the
+        // same every run. The semaphores are (query block, batch, head): the heads polling at once sit on different
+        // lines.
+        int* semaphore = p.dq_semaphore ? p.dq_semaphore + w.batch * p.nheads + w.head : nullptr;
+        const int semaphore_stride = p.batch * p.nheads;
+        const RotatedTurns rotated(n_block, p.n_blocks, max(m_count, 1));
+        for (int i = 0, m = w.m_first; i < m_count; ++i, m = m + 1 == w.m_end ? w.m_begin : m + 1) {
+          if (semaphore && leader) {
+            const int visitors = p.causal ? min(p.n_blocks, (m * kBlockM + kBlockM - 1 + diagonal) / kBlockN + 1)
+                                          : p.n_blocks;
+            const int turn = p.causal ? visitors - 1 - n_block : p.dq_rotate ? rotated(m - w.m_begin) : n_block;
+            wait_for_turn(semaphore + m * semaphore_stride, turn);
           }
-          __syncwarp();  // converged again before the next bar.sync
+          __syncwarp();
+          CUTE_UNROLL
+          for (int wg = 0; wg < kBwdMmaWarpgroups; ++wg) {
+            Tensor sdQw = make_tensor(make_smem_ptr(shared.dq.data() + wg * cosize(typename Traits::SmemLayoutdQSlab{})),
+                                      typename Traits::SmemLayoutdQSlab{});
+            auto [tdQg, tdQs] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQw),
+                                              group_modes<0, 2>(gdQ(_, _, m, wg)));
+            cutlass::arch::NamedBarrier::sync(kdQThreads, kdQFull + wg);
+            if (leader) {
+              copy(p.tma_dq, tdQs, tdQg);
+              tma_store_arrive();
+            }
+            __syncwarp();  // converged again before the next bar.sync
+          }
+          if (leader) tma_store_wait<1>();
+          __syncwarp();
+          if (i + 1 < m_count) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty);
+          if (leader) tma_store_wait<0>();
+          __syncwarp();
+          if (i + 1 < m_count) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + 1);
+          if (semaphore && leader) pass_turn(semaphore + m * semaphore_stride);
+          __syncwarp();
         }
-        // A slab is free again once its reduce has read it; the MMA warpgroup's first wait was met by its own arrive,
-        // so the writer's last block arrives nowhere (no barrier is left half-arrived at exit).
-        if (leader) tma_store_wait<1>();
-        __syncwarp();
-        if (i + 1 < m_count) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty);
-        if (leader) tma_store_wait<0>();
-        __syncwarp();
-        if (i + 1 < m_count) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + 1);
-        if (semaphore && leader) pass_turn(semaphore + m * semaphore_stride);
-        __syncwarp();
+        owed = true;
       }
       return;
     }
-    if (warp != 0 || m_begin >= m_end || !cute::elect_one_sync()) return;
-    Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, batch);  // (rows, d)
-    Tensor mdO = p.tma_do.get_tma_tensor(p.shape_q)(_, _, head, batch);
-    Tensor mK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, batch);
-    Tensor mV = p.tma_v.get_tma_tensor(p.shape_k)(_, _, head_kv, batch);
-    Tensor gQ = local_tile(mQ, Shape<M, D>{}, make_coord(_, _0{}));  // (M, d, query blocks)
-    Tensor gdO = local_tile(mdO, Shape<M, D>{}, make_coord(_, _0{}));
-    Tensor gK = local_tile(mK, Shape<N, D>{}, make_coord(n_block, _0{}));  // (N, d)
-    Tensor gV = local_tile(mV, Shape<N, D>{}, make_coord(n_block, _0{}));
-    auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tdOgdO, tdOsdO] =
-        tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-    auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    // lse and D of query block m: a box of the flat buffers from this head's first row rounded down to 4 floats.
-    const int stats_row = (batch * p.nheads + head) * p.seqlen_q, stats0 = stats_row & ~3;
-    Tensor mLse = p.tma_lse.get_tma_tensor(make_shape(p.stats_total));
-    Tensor mD = p.tma_d.get_tma_tensor(make_shape(p.stats_total));
-    using SB = typename Traits::StatsBox;
-    shared.kv_full.arrive_and_expect_tx(Traits::kBytesKV);
-    copy(p.tma_k.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tKgK, tKsK);
-    copy(p.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tVgV, tVsV);
-    // dO has its own ring (one stage at d256, where dO[m + 1] lands once block m's dV^T GEMMs have read dO[m]).
-    auto stage = cutlass::make_producer_start_state<Pipeline>();
-    auto do_stage = cutlass::make_producer_start_state<PipelinedO>();
+    if (warp != 0 || !cute::elect_one_sync()) return;
     // Every key block of the head reads the same Q and dO blocks: keep them in L2. Not unrolled over the ring's
     // stages: at d256 (10 boxes a block) the unrolled loop keeps more shared-memory addresses live than the producer's
     // 40 registers hold (ptxas spilled 8 bytes).
+    auto stage = cutlass::make_producer_start_state<Pipeline>();
+    auto do_stage = cutlass::make_producer_start_state<PipelinedO>();  // dO has its own ring (one stage at d256)
+    int kv_loads = 0;
 #pragma unroll 1
-    for (int i = 0, m = m_first; i < m_count; ++i, m = next_m(m), ++stage, ++do_stage) {
-      q_pipe.producer_acquire(stage);  // waits for the stage to be free, then expects its bytes (Q's and lse's)
-      copy(p.tma_q.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, m),
-           tQsQ(_, stage.index()));
-      {
-        Tensor gL = local_tile(domain_offset(make_coord(stats0 + m * kBlockM), mLse), Shape<SB>{}, make_coord(0));
-        Tensor sL = make_tensor(make_smem_ptr(shared.lse.data() + stage.index() * Traits::kStatsStage), Layout<SB>{});
-        auto [tg, ts] = tma_partition(p.tma_lse, Int<0>{}, Layout<_1>{}, group_modes<0, 1>(sL), group_modes<0, 1>(gL));
-        copy(p.tma_lse.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tg, ts);
+    for (int tile_i = 0, t = first_tile; kPersistent || tile_i == 0; ++tile_i) {
+      if constexpr (kPersistent) {
+        // The next tile: persistent CTAs draw it from the counter once the previous tile's loads are issued (about
+        // two blocks before its end, so that a CTA commits late, as the hardware's dispatch would), a CTA per tile
+        // (deterministic mode) none. Then it is published (a tile past the last tells the other warps to stop).
+        if (tile_i > 0) t = p.tile_counter ? atomicAdd(p.tile_counter, 1) + int(gridDim.x) : num_tiles;
+        if (tile_i >= 2) shared.tile_empty[tile_i & 1].wait(((tile_i >> 1) - 1) & 1);
+        publish_tile(shared.tiles[tile_i & 1], t);
+        shared.tile_full[tile_i & 1].arrive();
+        if (t >= num_tiles) break;
       }
-      do_pipe.producer_acquire(do_stage);  // dO's and D's
-      copy(p.tma_do.with(*do_pipe.producer_get_barrier(do_stage), 0, TMA::CacheHintSm90::EVICT_LAST), tdOgdO(_, m),
-           tdOsdO(_, do_stage.index()));
-      {
-        Tensor gD = local_tile(domain_offset(make_coord(stats0 + m * kBlockM), mD), Shape<SB>{}, make_coord(0));
-        Tensor sD = make_tensor(make_smem_ptr(shared.d.data() + do_stage.index() * Traits::kStatsStage), Layout<SB>{});
-        auto [tg, ts] = tma_partition(p.tma_d, Int<0>{}, Layout<_1>{}, group_modes<0, 1>(sD), group_modes<0, 1>(gD));
-        copy(p.tma_d.with(*do_pipe.producer_get_barrier(do_stage), 0, TMA::CacheHintSm90::EVICT_LAST), tg, ts);
+      const BwdWork w = work_of(t);
+      const int m_count = w.m_end - w.m_begin, head_kv = w.head / p.head_group_kv;
+      if (m_count <= 0) continue;
+      Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, w.head, w.batch);  // (rows, d)
+      Tensor mdO = p.tma_do.get_tma_tensor(p.shape_q)(_, _, w.head, w.batch);
+      Tensor mK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, w.batch);
+      Tensor mV = p.tma_v.get_tma_tensor(p.shape_k)(_, _, head_kv, w.batch);
+      Tensor gQ = local_tile(mQ, Shape<M, D>{}, make_coord(_, _0{}));  // (M, d, query blocks)
+      Tensor gdO = local_tile(mdO, Shape<M, D>{}, make_coord(_, _0{}));
+      Tensor gK = local_tile(mK, Shape<N, D>{}, make_coord(w.n_block, _0{}));  // (N, d)
+      Tensor gV = local_tile(mV, Shape<N, D>{}, make_coord(w.n_block, _0{}));
+      auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tdOgdO, tdOsdO] =
+          tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      // lse and D of query block m: a box of the flat buffers from this head's first row rounded down to 4 floats.
+      const int stats_row = (w.batch * p.nheads + w.head) * p.seqlen_q, stats0 = stats_row & ~3;
+      Tensor mLse = p.tma_lse.get_tma_tensor(make_shape(p.stats_total));
+      Tensor mD = p.tma_d.get_tma_tensor(make_shape(p.stats_total));
+      using SB = typename Traits::StatsBox;
+#pragma unroll 1
+      for (int i = 0, m = w.m_first; i < m_count; ++i, m = m + 1 == w.m_end ? w.m_begin : m + 1, ++stage, ++do_stage) {
+        q_pipe.producer_acquire(stage);  // waits for the stage to be free, then expects its bytes (Q's and lse's)
+        copy(p.tma_q.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, m),
+             tQsQ(_, stage.index()));
+        {
+          Tensor gL = local_tile(domain_offset(make_coord(stats0 + m * kBlockM), mLse), Shape<SB>{}, make_coord(0));
+          Tensor sL = make_tensor(make_smem_ptr(shared.lse.data() + stage.index() * Traits::kStatsStage), Layout<SB>{});
+          auto [tg, ts] =
+              tma_partition(p.tma_lse, Int<0>{}, Layout<_1>{}, group_modes<0, 1>(sL), group_modes<0, 1>(gL));
+          copy(p.tma_lse.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tg, ts);
+        }
+        do_pipe.producer_acquire(do_stage);  // dO's and D's
+        copy(p.tma_do.with(*do_pipe.producer_get_barrier(do_stage), 0, TMA::CacheHintSm90::EVICT_LAST), tdOgdO(_, m),
+             tdOsdO(_, do_stage.index()));
+        {
+          Tensor gD = local_tile(domain_offset(make_coord(stats0 + m * kBlockM), mD), Shape<SB>{}, make_coord(0));
+          Tensor sD = make_tensor(make_smem_ptr(shared.d.data() + do_stage.index() * Traits::kStatsStage), Layout<SB>{});
+          auto [tg, ts] = tma_partition(p.tma_d, Int<0>{}, Layout<_1>{}, group_modes<0, 1>(sD), group_modes<0, 1>(gD));
+          copy(p.tma_d.with(*do_pipe.producer_get_barrier(do_stage), 0, TMA::CacheHintSm90::EVICT_LAST), tg, ts);
+        }
+        if (i == 0) {
+          // K and V after the first Q and dO: the previous tile's K and V are free only once its last dQ GEMM retired,
+          // and its last stages free the ring for this tile's first block earlier.
+          if (kPersistent && kv_loads > 0) shared.kv_empty.wait((kv_loads - 1) & 1);
+          shared.kv_full.arrive_and_expect_tx(Traits::kBytesKV);
+          copy(p.tma_k.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tKgK, tKsK);
+          copy(p.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tVgV, tVsV);
+          ++kv_loads;
+        }
       }
     }
     q_pipe.producer_tail(stage);  // no exit while loads into this CTA's shared memory are in flight
@@ -260,7 +330,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   // -------------------------------------------------------------------------------------------- MMA warpgroups
   cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegs>();
   if constexpr (Traits::kWide) {
-    bwd_mma_wide<Traits>(p, shared, q_pipe, do_pipe, n_block, head, batch, m_begin, m_end);
+    // One tile per CTA (bwd_launch.h never launches the wide tile persistent): bwd_mma_wide's rings start afresh.
+    for (int tile_i = 0; kPersistent || tile_i == 0; ++tile_i) {
+      const int t = take_tile(tile_i);
+      if (t >= num_tiles) break;
+      const BwdWork w = work_of(t);
+      bwd_mma_wide<Traits>(p, shared, q_pipe, do_pipe, w.n_block, w.head, w.batch, w.m_begin, w.m_end);
+    }
   } else {
     const int tid = threadIdx.x - kWarpgroupThreads;
     typename Traits::TiledMmaSdP mma_sdp;
@@ -271,41 +347,50 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     auto thr_dq = mma_dq.get_thread_slice(tid);
     Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<N, D>{});
     Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<N, D>{});
-    clear(tdKrdK);
-    clear(tdVrdV);
+    Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});     // (d, M, stages)
+    Tensor sdOt = make_tensor(make_smem_ptr(shared.dO.data()), typename Traits::SmemLayoutdOt{});  // (d, M, stages)
+    Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});     // (d, N)
+    Tensor sdS = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdS{});    // (M, N, stages)
+    Tensor sdSt = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdSt{});  // (N, M, stages)
+    // Operands: K and V are S^T's and dP^T's A (M = keys), Q and dO their B (N = queries); dO^T and Q^T are dV's and
+    // dK's B (N = d, K = queries); dS and K^T are dQ's A and B (swapped: dQ^T's B and A).
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
+    Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);
+    Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+    Tensor tdQrdS = partition_fragment_ab<!kdQSwapAB>(thr_dq, sdS);
+    Tensor tdQrK = partition_fragment_ab<kdQSwapAB>(thr_dq, sKt);
+    const int mma_warpgroup = warpgroup - 1;
+    bool slab_used = false;
+    // dS^T registers -> sdS through the transposed view (stmatrix.trans).
+    auto r2s_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma_sdp);
+    auto thr_r2s_ds = r2s_ds.get_thread_slice(tid);
+    Tensor tdSsdS = thr_r2s_ds.partition_D(as_position_independent_swizzle_tensor(sdSt));  // (CPY, .., .., stages)
+    // The (query, key) of each S^T register as (rows = queries, cols = keys), and the (query, column) of each dQ one.
+    Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<N, M>{}));
+    Tensor cS_rc = make_tensor(cS.data(), rowcol_t(cS.layout()));
+    constexpr int kRows = decltype(size<0>(cS_rc))::value;  // queries per thread
+    typename Traits::PipelineState stage;  // the rings run on across tiles
+    int kv_loads = 0;
 
-    if (m_begin < m_end) {
-      Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});     // (d, M, stages)
-      Tensor sdOt = make_tensor(make_smem_ptr(shared.dO.data()), typename Traits::SmemLayoutdOt{});  // (d, M, stages)
-      Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});     // (d, N)
-      Tensor sdS = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdS{});    // (M, N, stages)
-      Tensor sdSt = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdSt{});  // (N, M, stages)
-      // Operands: K and V are S^T's and dP^T's A (M = keys), Q and dO their B (N = queries); dO^T and Q^T are dV's and
-      // dK's B (N = d, K = queries); dS and K^T are dQ's A and B (swapped: dQ^T's B and A).
-      Tensor tSrK = thr_sdp.partition_fragment_A(sK);
-      Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
-      Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
-      Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
-      Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);
-      Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
-      Tensor tdQrdS = partition_fragment_ab<!kdQSwapAB>(thr_dq, sdS);
-      Tensor tdQrK = partition_fragment_ab<kdQSwapAB>(thr_dq, sKt);
-      const int mma_warpgroup = warpgroup - 1;
-      // Stands in for the writer's first "empty": the slab starts free.
-      if (warp % 4 == 0) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + mma_warpgroup);
-      // dS^T registers -> sdS through the transposed view (stmatrix.trans).
-      auto r2s_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma_sdp);
-      auto thr_r2s_ds = r2s_ds.get_thread_slice(tid);
-      Tensor tdSsdS = thr_r2s_ds.partition_D(as_position_independent_swizzle_tensor(sdSt));  // (CPY, .., .., stages)
-      // The (query, key) of each S^T register as (rows = queries, cols = keys), and the (query, column) of each dQ one.
-      Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<N, M>{}));
-      Tensor cS_rc = make_tensor(cS.data(), rowcol_t(cS.layout()));
-      constexpr int kRows = decltype(size<0>(cS_rc))::value;  // queries per thread
+    for (int tile_i = 0; kPersistent || tile_i == 0; ++tile_i) {
+      const int t = take_tile(tile_i);
+      if (t >= num_tiles) break;
+      const BwdWork w = work_of(t);
+      const int n_block = w.n_block, head = w.head, batch = w.batch, m_count = w.m_end - w.m_begin;
+      const int diagonal = p.seqlen_k - p.seqlen_q;
       const int stats_shift = ((batch * p.nheads + head) * p.seqlen_q) & 3;  // this head's first row in the stats box
-
-      shared.kv_full.wait(0);
-      typename Traits::PipelineState stage;
-      for (int i = 0, m = m_first; i < m_count; ++i, m = next_m(m), ++stage) {
+      clear(tdKrdK);
+      clear(tdVrdV);
+      if (m_count > 0 && !slab_used) {
+        // Stands in for the writer's first "empty": the slab starts free.
+        if (warp % 4 == 0) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + mma_warpgroup);
+        slab_used = true;
+      }
+      if (m_count > 0) shared.kv_full.wait(kv_loads++ & 1);
+      for (int i = 0, m = w.m_first; i < m_count; ++i, m = m + 1 == w.m_end ? w.m_begin : m + 1, ++stage) {
         const int s = stage.index(), query0 = m * kBlockM, key0 = n_block * kBlockN;
         // S^T = K Q^T and dP^T = V dO^T, both in flight; P's exp2 overlaps dP's GEMM.
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<N, M>{});
@@ -380,6 +465,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         // dK += dS^T Q, dS^T from registers; returns once dQ's GEMM retired.
         Tensor tdKrdS = make_tensor(rdS.data(), as_operand_a(tdPrdP.layout()));
         warpgroup_gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, s), tdKrdK);
+        if (kPersistent && i + 1 == m_count) shared.kv_empty.arrive();  // its last reads of K and V retired with dQ's GEMM
         warpgroup_fence_operand(tdQrdQ);
         // This key block's share of dQ to the writer warp, while dK's GEMM runs: into the slab once the writer's
         // previous reduce has read it, then made visible to TMA (the async proxy).
@@ -391,35 +477,35 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         warpgroup_fence_operand(tdKrdK);
         q_pipe.consumer_release(stage);  // dK's GEMM, Q's last reader, retired
       }
-    }
 
-    // ------------------------------------------------------------------------------------------ epilogue
-    // dK = softmax_scale * sum dS^T Q (reference: dk = scale * ds^T q) and dV, for this query head's slice: rows past
-    // seqlen_k are not written. Element pairs, or fp32 pairs where a GQA group is summed by the host afterwards.
-    Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<N, D>{}));
-    Tensor cKV_rc = make_tensor(cKV.data(), rowcol(cKV.layout()));  // (keys, columns)
-    Tensor dk = make_tensor(tdKrdK.data(), rowcol(tdKrdK.layout()));
-    Tensor dv = make_tensor(tdVrdV.data(), rowcol(tdVrdV.layout()));
-    const int64_t dk_base = batch * p.dk_batch_stride + head * p.dk_head_stride;
-    const int64_t dv_base = batch * p.dv_batch_stride + head * p.dv_head_stride;
-    cutlass::NumericArrayConverter<Element, float, 2> cvt;
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(dk); ++r) {
-      const int key = n_block * kBlockN + get<0>(cKV_rc(r, 0));
-      if (key >= p.seqlen_k) continue;
+      // ------------------------------------------------------------------------------------------ epilogue
+      // dK = softmax_scale * sum dS^T Q (reference: dk = scale * ds^T q) and dV, for this query head's slice: rows past
+      // seqlen_k are not written. Element pairs, or fp32 pairs where a GQA group is summed by the host afterwards.
+      Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<N, D>{}));
+      Tensor cKV_rc = make_tensor(cKV.data(), rowcol(cKV.layout()));  // (keys, columns)
+      Tensor dk = make_tensor(tdKrdK.data(), rowcol(tdKrdK.layout()));
+      Tensor dv = make_tensor(tdVrdV.data(), rowcol(tdVrdV.layout()));
+      const int64_t dk_base = batch * p.dk_batch_stride + head * p.dk_head_stride;
+      const int64_t dv_base = batch * p.dv_batch_stride + head * p.dv_head_stride;
+      cutlass::NumericArrayConverter<Element, float, 2> cvt;
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(dk); c += 2) {
-        const int col = get<1>(cKV_rc(r, c));
-        const int64_t k_off = dk_base + key * p.dk_row_stride + col, v_off = dv_base + key * p.dv_row_stride + col;
-        cutlass::Array<float, 2> k2, v2;
-        k2[0] = dk(r, c) * p.softmax_scale, k2[1] = dk(r, c + 1) * p.softmax_scale;
-        v2[0] = dv(r, c), v2[1] = dv(r, c + 1);
-        if (p.dkv_fp32) {
-          *reinterpret_cast<cutlass::Array<float, 2>*>(static_cast<float*>(p.dk) + k_off) = k2;
-          *reinterpret_cast<cutlass::Array<float, 2>*>(static_cast<float*>(p.dv) + v_off) = v2;
-        } else {
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(static_cast<Element*>(p.dk) + k_off) = cvt(k2);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(static_cast<Element*>(p.dv) + v_off) = cvt(v2);
+      for (int r = 0; r < size<0>(dk); ++r) {
+        const int key = n_block * kBlockN + get<0>(cKV_rc(r, 0));
+        if (key >= p.seqlen_k) continue;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(dk); c += 2) {
+          const int col = get<1>(cKV_rc(r, c));
+          const int64_t k_off = dk_base + key * p.dk_row_stride + col, v_off = dv_base + key * p.dv_row_stride + col;
+          cutlass::Array<float, 2> k2, v2;
+          k2[0] = dk(r, c) * p.softmax_scale, k2[1] = dk(r, c + 1) * p.softmax_scale;
+          v2[0] = dv(r, c), v2[1] = dv(r, c + 1);
+          if (p.dkv_fp32) {
+            *reinterpret_cast<cutlass::Array<float, 2>*>(static_cast<float*>(p.dk) + k_off) = k2;
+            *reinterpret_cast<cutlass::Array<float, 2>*>(static_cast<float*>(p.dv) + v_off) = v2;
+          } else {
+            *reinterpret_cast<cutlass::Array<Element, 2>*>(static_cast<Element*>(p.dk) + k_off) = cvt(k2);
+            *reinterpret_cast<cutlass::Array<Element, 2>*>(static_cast<Element*>(p.dv) + v_off) = cvt(v2);
+          }
         }
       }
     }

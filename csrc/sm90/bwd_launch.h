@@ -4,6 +4,7 @@
 // each: builds the TMA descriptors of this call's q, k, v and dout.                       docs/tuning.md#sm90-backward
 #pragma once
 
+#include <algorithm>
 #include <stdexcept>
 
 #include <cuda_runtime.h>
@@ -83,11 +84,13 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   k.head_group = p.head_group;
   k.dq_semaphore = p.dq_semaphore;
   k.m_blocks = ceil_div_host(p.seqlen_q, Traits::kBlockM);
+  k.batch = p.batch;
   // Rotated walks make a key block wait for higher ones of its head (bwd_kernel.h), which is safe only when a whole
   // head's key blocks fit on the GPU at once (one CTA an SM): else the started ones could fill every SM waiting for
   // one that cannot start (bench/det_rotate.cu). Half the SMs, so that kernels on other streams (NCCL's) holding some
   // cannot bring that about. Longer keys keep key-block order, whose skew they amortise anyway (1.01x at 16k).
   const int n_blocks = ceil_div_host(p.seqlen_k, Traits::kBlockN);
+  k.n_blocks = n_blocks;
   // The plain order only (head_group 0, as full attention has): the tickets then start a head's key blocks together.
   // The wide path (d256, bwd_mma_wide.h) walks in order and is never deterministic (config.h: bwd_serves).
   k.dq_rotate = !Traits::kWide && p.dq_semaphore != nullptr && !k.causal && p.head_group == 0 &&
@@ -108,9 +111,18 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
 
   constexpr auto kernel = &bwd_kernel<Traits>;
   allow_smem<kernel>(smem, "sm90 bwd smem");
-  // One CTA per (key block, head, batch), key blocks fastest: the CTAs of a head run together and share its Q and dO
-  // in L2. Causal: heaviest first within groups of heads (the plan's head_group; the kernel maps blockIdx).
-  const dim3 grid(n_blocks, p.nheads, p.batch);
+  // Tiles (key block, head, batch), key blocks fastest: the CTAs of a head run together and share its Q and dO in
+  // L2; causal: heaviest first within groups of heads (the plan's head_group). One persistent CTA per SM draws them
+  // from a counter (the preprocess zeroes it), so a tile's start overlaps the previous one's end, where that pays
+  // (config.h: bwd_persistent). Deterministic mode keeps a CTA per tile (its turns assume every key block of a head
+  // can run at once).
+  const int64_t tiles = int64_t(n_blocks) * p.nheads * p.batch;
+  if (tiles > INT32_MAX) throw std::logic_error("fa2: too many backward tiles for the Hopper family (host/plan.cpp)");
+  const bool persistent = Traits::kPersistent && p.dq_semaphore == nullptr && p.tile_counter != nullptr;
+  k.tile_counter = persistent ? p.tile_counter : nullptr;
+  const dim3 grid = !Traits::kPersistent ? dim3(n_blocks, p.nheads, p.batch)
+                    : persistent         ? dim3(std::min(int(tiles), device_sm_count()))
+                                         : dim3(tiles);
   kernel<<<grid, kBwdThreads, smem, stream>>>(k);
   check_cuda(cudaGetLastError(), "sm90 bwd launch");
 

@@ -61,6 +61,7 @@ struct BwdTraits {
   static constexpr int kStagesdS = kWide ? 1 : kStages;  // narrow: one per Q stage; wide: one P and one dS
   static constexpr int kdQCols = kWide ? 128 : kHeadDim;  // columns of one dQ GEMM
   static constexpr bool kdQSwapAB = !kWide && kBlockM % 64 != 0;  // dQ^T = K^T dS^T (bwd_dq_op)
+  static constexpr bool kPersistent = bwd_persistent({kHeadDim, kBlockM, kBlockN, kStages, false, false});
   // setmaxnreg's split of the CTA's pool, 168 x 384 at launch, between the producer warpgroup (the loads, the dQ
   // writer) and the MMA warpgroups: 40 / 232 is exact (24 / 240 spilled 44 B in the producer once it also loaded lse
   // and D; 32 / 240 would ask for more than the pool holds). 80 queries: S^T, dP^T, dK and dV are 208 fp32 a thread,
@@ -185,6 +186,10 @@ struct BwdTraits {
     cute::array_aligned<float, kStatsStage * kStages, 128> lse;  // a box per stage, with Q's stages
     cute::array_aligned<float, kStatsStage * kStagesdO, 128> d;  // a box per stage, with dO's stages
     alignas(16) cutlass::arch::ClusterTransactionBarrier kv_full;  // K and V landed
+    alignas(16) cutlass::arch::ClusterBarrier kv_empty;  // a tile's last GEMM that reads K and V retired (persistent)
+    alignas(16) cutlass::arch::ClusterBarrier tile_full[2];   // the tiles the producer drew (tile_scheduler.h): written
+    alignas(16) cutlass::arch::ClusterBarrier tile_empty[2];  // and read by the MMA warpgroups and the dQ writer
+    int tiles[2];
     alignas(16) typename Pipeline::SharedStorage q_pipe;
     alignas(16) typename PipelinedO::SharedStorage do_pipe;
     int ticket;  // deterministic mode: this CTA's place in the order (bwd_kernel.h)
@@ -217,6 +222,8 @@ struct BwdKernelParams {
   int head_group;  // causal: key blocks go heaviest first within groups of heads (common/schedule.h); 0: grid order
   int* dq_semaphore;  // deterministic: (query block, batch, head) -> key blocks whose dQ share is in, then the tickets
   int m_blocks;       // query blocks per head
+  int n_blocks, batch;  // the tiles: n_blocks x nheads x batch, key blocks fastest (bwd_kernel.h: bwd_work)
+  int* tile_counter;    // persistent launch: tiles handed out past the first gridDim.x (zeroed before it); else null
   bool dq_rotate;     // deterministic full attention: key block n walks from query block n mod m_blocks (bwd_kernel.h)
 };
 

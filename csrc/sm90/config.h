@@ -65,6 +65,11 @@ constexpr BwdTileShape bwd_tile(int head_dim, bool causal) {
 // dO's stages: as many as Q's, but one at d256 (bwd_mma_wide.h releases it mid-block).
 constexpr int bwd_do_stages(BwdTileShape t) { return t.head_dim == 256 ? 1 : t.stages; }
 
+// Persistent CTAs, one per SM drawing tiles from a counter (sm90/bwd_kernel.h), where they measured faster: d64 and
+// d128's causal 64-row tile. d128's 80-row tile ran 2-4% slower with the tile loop compiled in, and d256's MMA
+// warpgroups (bwd_mma_wide.h) start their rings afresh: a CTA per tile there.      docs/tuning.md#sm90-backward
+constexpr bool bwd_persistent(BwdTileShape t) { return t.head_dim == 64 || (t.head_dim == 128 && t.block_m == 64); }
+
 // Shared memory of a tile: K and V, the Q and dO stages (2-byte elements), their lse and D boxes (floats); d64/d128:
 // dS per Q stage and dQ's fp32 staging; d256: one P and one dS; plus the barriers. bwd_launch.h asserts the traits'
 // SharedStorage fits it.

@@ -71,17 +71,6 @@ struct PingPong {
   }
 };
 
-// A tile index handed from the producer to the consumers through shared memory: the mbarrier's arrive releases it
-// and its wait acquires it, and the compiler must not move the access across them (their asm names no memory).
-__device__ __forceinline__ void publish_tile(int& slot, int t) {
-  *reinterpret_cast<volatile int*>(&slot) = t;
-  asm volatile("" ::: "memory");
-}
-__device__ __forceinline__ int read_tile(const int& slot) {
-  asm volatile("" ::: "memory");
-  return *reinterpret_cast<const volatile int*>(&slot);
-}
-
 template <class Traits>
 __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT FwdKernelParams<Traits> const p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -39,4 +39,16 @@ struct TileScheduler {
   }
 };
 
+// A tile index handed from a persistent kernel's producer to its other warps through shared memory: the mbarrier's
+// arrive releases it and its wait acquires it, and the compiler must not move the access across them (their asm
+// names no memory).
+__device__ __forceinline__ void publish_tile(int& slot, int t) {
+  *reinterpret_cast<volatile int*>(&slot) = t;
+  asm volatile("" ::: "memory");
+}
+__device__ __forceinline__ int read_tile(const int& slot) {
+  asm volatile("" ::: "memory");
+  return *reinterpret_cast<const volatile int*>(&slot);
+}
+
 }  // namespace fa2::sm90
