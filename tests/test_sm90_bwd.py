@@ -4,6 +4,10 @@ of its tiles: 128 x 128 at d64, 80 x 128 (full) and 64 x 128 (causal) at d128, 6
 reference rule, and the plan sends everything else to the
 mma.sync backward. Every build with the Hopper family has it (a build without arch 90 runs these tests on the mma.sync
 backward); the kernel names of a profile say which family ran. CPU (record mode): the plan's family."""
+import json
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -49,6 +53,20 @@ def bwd_kernel_names(fn):
     return {e.name for e in prof.events() if "bwd_kernel" in e.name}
 
 
+def bwd_kernel_grids(fn):
+    """The grids of the Hopper backward kernels that fn launches, from the profiler's trace (its kernel events carry
+    them)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return [tuple(e.get("args", {}).get("grid", ())) for e in events if "sm90::bwd_kernel" in e.get("name", "")]
+
+
 # 241 = 3 x 80 + 1: one query in d128's last 80-row block (1000: 40 rows, 1023: 63).
 SHAPES = [(1, 1), (113, 203), (128, 128), (203, 113), (241, 300), (1000, 1000), (1023, 2048), (2048, 1023)]
 HEADS = [(2, 4, 4), (1, 8, 1), (1, 16, 2)]  # MHA, MQA, GQA 8:1
@@ -76,14 +94,16 @@ def test_hopper_backward_matches_the_reference(d, sq, sk, b, h, hk, dtype, causa
                                              (128, 2, 1500, 700, 24, 8), (256, 2, 700, 900, 16, 2)],
                          ids=["d64_1000x1100_gqa", "d128_b8_300", "d128_1500x700_gqa", "d256_700x900"])
 def test_a_persistent_cta_computes_every_tile_it_draws(d, b, sq, sk, h, hk, causal, launch_overrides, require_kernel):
-    """d64 and d128 run one persistent CTA per SM, drawing (key block, head, batch) tiles from a counter that the
-    preprocess zeroes (bwd_kernel.h): here several tiles a CTA, of unequal lengths (causal, ragged ends, GQA), twice in a
-    row, so a counter left from the first call (or a tile two CTAs both took, or none did) shows in the second's
-    gradients. d256 keeps a CTA per tile: the same check on its path."""
+    """d64 and d128's causal tile run one persistent CTA per SM, drawing (key block, head, batch) tiles from a counter
+    that the preprocess zeroes (bwd_kernel.h, config.h: bwd_persistent): here several tiles a CTA, of unequal lengths
+    (causal, ragged ends, GQA), twice in a row, so a counter left from the first call (or a tile two CTAs both took,
+    or none did) shows in the second's gradients; the grid says which launch ran. d128's full-attention tile and
+    d256 keep a CTA per tile (a 3-D grid): the same check on that path over several waves."""
     require_kernel("bwd", d, torch.bfloat16)
     launch_overrides(family="sm90")
-    tiles = -(-sk // (80 if d == 256 else 128)) * h * b
-    assert tiles > 2 * torch.cuda.get_device_properties(0).multi_processor_count, "the case must span several waves"
+    block_n = 80 if d == 256 else 128
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert -(-sk // block_n) * h * b > 2 * sms, "the case must span several waves"
     q = randn(b, sq, h, d)
     k, v = (randn(b, sk, hk, d) for _ in range(2))
     out, lse = fa2.fwd(q, k, v, causal=causal)
@@ -93,8 +113,12 @@ def test_a_persistent_cta_computes_every_tile_it_draws(d, b, sq, sk, h, hk, caus
     label = f"sm90 persistent d{d} b{b} {sq}x{sk} h{h}/{hk} causal={causal}"
     check_grads(first, q, k, v, dout, causal, label)
     check_grads(second, q, k, v, dout, causal, label + " (second call)")
-    names = bwd_kernel_names(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=causal))
-    assert any("sm90" in n for n in names) == hopper_bwd_expected(d), names
+    grids = bwd_kernel_grids(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=causal))
+    if hopper_bwd_expected(d):
+        persistent = d == 64 or (d == 128 and causal)
+        assert grids == [(sms, 1, 1) if persistent else (-(-sk // block_n), h, b)], grids
+    else:
+        assert grids == [], grids
 
 
 @pytest.mark.gpu

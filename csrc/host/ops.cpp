@@ -24,6 +24,7 @@
 #include "host/dispatch.h"
 #include "host/plan.h"
 #include "host/state.h"
+#include "sm90/config.h"
 
 namespace fa2::host {
 namespace {
@@ -340,7 +341,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
   // The Hopper backward adds dQ from every key block into dq_accum; deterministic, it takes turns per query block.
   // Otherwise its persistent CTAs draw their tiles from a counter.
   std::optional<Tensor> dq_semaphore, tile_counter;
-  if (!deterministic && plan.family == Family::kSm90) {
+  if (!deterministic && plan.family == Family::kSm90 && sm90::bwd_persistent(plan.shape)) {
     tile_counter = new_tensor(q, {1}, ScalarType::Int);
     p.tile_counter = static_cast<int*>(tile_counter->data_ptr());
   }

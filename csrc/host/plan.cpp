@@ -132,6 +132,7 @@ Family backward_family(const BwdParams& p, DType dtype, int head_dim, const Devi
                       tma_tensor(p.q, p.q_stride) && tma_tensor(p.k, p.k_stride) && tma_tensor(p.v, p.v_stride) &&
                       tma_tensor(p.dout, p.dout_stride) && tma_aligned(p.lse) && tma_aligned(p.d_sum) &&
                       int64_t(p.batch) * p.nheads * p.seqlen_q <= INT32_MAX &&  // lse and D: one flat TMA each
+                      int64_t(p.batch) * p.nheads * ((p.seqlen_k + 63) / 64) <= INT32_MAX &&  // the tiles, an int
                       sm90::bwd_smem_bytes(sm90::bwd_tile(head_dim, p.causal())) <= device.smem_limit;
   return serves ? Family::kSm90 : Family::kSm80;
 }

@@ -1,6 +1,6 @@
 // The Hopper backward (fa2.reference.flash_bwd_tiled's inner loop, KV-stationary), warp-specialized. A tile is a
-// (key block, head, batch); a persistent CTA per SM takes them one after another from a counter (d64, d128), or one
-// CTA per tile runs (d256, deterministic mode). Warp 0 of warpgroup 0 draws the tiles, loads each tile's K and V once
+// (key block, head, batch); a persistent CTA per SM takes them one after another from a counter (config.h:
+// bwd_persistent: d64, d128's causal tile), or one CTA per tile runs (the other tiles, deterministic mode). Warp 0 of warpgroup 0 draws the tiles, loads each tile's K and V once
 // and streams Q and dO (with lse and D) of every query block that sees those keys through TMA rings; warpgroups 1
 // and 2 own 64 keys each, keep dK and dV in registers for the whole stream, and stage each query block's dQ share in
 // shared memory, which warp 1 of warpgroup 0 adds into the fp32 dq_accum by TMA reduce-add. The next tile's first Q
@@ -80,16 +80,19 @@ __device__ __forceinline__ void pass_turn(int* semaphore) {
 }
 
 // What the tile at (x, y, batch) of the dispatch order covers: blockIdx in a grid of one CTA per tile, or tile t of a
-// persistent CTA taken apart as blockIdx would be (key blocks fastest, then heads, then batch entries): the CTAs running together read one head's Q and dO (L2 hits). Causal: key block 0 (seen by every
-// query) is the heaviest; the heaviest blocks of a group of heads go first, except in deterministic mode, where the
-// lightest go first (the turn order above). Bottom-right aligned: query i sees key j iff j <= i + diagonal (causal);
-// the query blocks that see a key of the block are [m_begin, m_end), none for a causal block past every row's
-// diagonal (dK = dV = 0 are still written). The walk: m_end - m_begin blocks from m_first, wrapping from m_end to
-// m_begin. Deterministic full attention (p.dq_rotate) starts key block n at m_begin + n mod the count, so a head's
-// CTAs add into different query blocks at each step instead of queueing behind key block 0; otherwise m_first =
-// m_begin. The producer, both MMA warpgroups and the dQ writer walk the same order; the pipeline stages follow it.
+// persistent CTA taken apart as blockIdx would be (key blocks fastest, then heads, then batch entries): the CTAs
+// running together read one head's Q and dO (L2 hits). Causal: key block 0 (seen by every query) is the heaviest; the
+// heaviest blocks of a group of heads go first, except in deterministic mode, where the lightest go first (the turn
+// order above). Bottom-right aligned: query i sees key j iff j <= i + diagonal (causal); the query blocks that see a
+// key of the block are [m_begin, m_end). A padded batch's every key sees some query, so that range is never empty
+// there; the code still writes dK = dV = 0 for an empty one. The walk: m_end - m_begin blocks from m_first, wrapping
+// from m_end to m_begin. Deterministic full attention (p.dq_rotate) starts key block n at m_begin + n mod the count,
+// so a head's CTAs add into different query blocks at each step instead of queueing behind key block 0; otherwise
+// m_first = m_begin. The producer, both MMA warpgroups and the dQ writer walk the same order; the pipeline stages
+// follow it.
 struct BwdWork {
-  int n_block, head, batch, m_begin, m_end, m_first;
+  int n_block, head, batch, m_begin, m_end, m_first, diagonal;
+  __device__ __forceinline__ int next(int m) const { return m + 1 == m_end ? m_begin : m + 1; }
 };
 
 template <int kBlockM, int kBlockN, class Params>
@@ -101,7 +104,7 @@ __device__ __forceinline__ BwdWork bwd_work(Params const& p, int x, int y, int b
   const int m_begin = p.causal ? max(b.block * kBlockN - diagonal, 0) / kBlockM : 0;
   const int m_end = ceil_div(p.seqlen_q, kBlockM), m_count = m_end - m_begin;
   const int m_first = p.dq_rotate && m_count > 0 ? m_begin + b.block % m_count : m_begin;
-  return {b.block, b.head, batch, m_begin, m_end, m_first};
+  return {b.block, b.head, batch, m_begin, m_end, m_first, diagonal};
 }
 
 template <class Traits>
@@ -150,7 +153,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   do_pipe_params.transaction_bytes = Traits::kBytesQ;  // dO's tile and D's box
   PipelinedO do_pipe(shared.do_pipe, do_pipe_params, Shape<_1, _1, _1>{});
   __syncthreads();  // the barriers are initialised (and the ticket drawn) before anyone waits on them
-  const int first_tile = p.dq_semaphore ? shared.ticket : int(blockIdx.x);  // persistent kernels' grids are 1-D
+  // The CTA's first tile (persistent kernels' grids are 1-D); a CTA-per-tile kernel's blockIdx.x when not deterministic,
+  // which work_of below does not read.
+  const int first_tile = p.dq_semaphore ? shared.ticket : int(blockIdx.x);
   // The work of tile t: persistent kernels take t apart; the others have one tile, their blockIdx, or in deterministic
   // mode their ticket taken apart as blockIdx would be.
   auto work_of = [&](int t) {
@@ -202,7 +207,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         const int t = take_tile(tile_i);
         if (t >= num_tiles) break;
         const BwdWork w = work_of(t);
-        const int m_count = w.m_end - w.m_begin, n_block = w.n_block, diagonal = p.seqlen_k - p.seqlen_q;
+        const int m_count = w.m_end - w.m_begin, n_block = w.n_block, diagonal = w.diagonal;
         if (m_count <= 0) continue;
         if (owed) {
           cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty);
@@ -216,7 +221,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         int* semaphore = p.dq_semaphore ? p.dq_semaphore + w.batch * p.nheads + w.head : nullptr;
         const int semaphore_stride = p.batch * p.nheads;
         const RotatedTurns rotated(n_block, p.n_blocks, max(m_count, 1));
-        for (int i = 0, m = w.m_first; i < m_count; ++i, m = m + 1 == w.m_end ? w.m_begin : m + 1) {
+        for (int i = 0, m = w.m_first; i < m_count; ++i, m = w.next(m)) {
           if (semaphore && leader) {
             const int visitors = p.causal ? min(p.n_blocks, (m * kBlockM + kBlockM - 1 + diagonal) / kBlockN + 1)
                                           : p.n_blocks;
@@ -291,7 +296,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       Tensor mD = p.tma_d.get_tma_tensor(make_shape(p.stats_total));
       using SB = typename Traits::StatsBox;
 #pragma unroll 1
-      for (int i = 0, m = w.m_first; i < m_count; ++i, m = m + 1 == w.m_end ? w.m_begin : m + 1, ++stage, ++do_stage) {
+      for (int i = 0, m = w.m_first; i < m_count; ++i, m = w.next(m), ++stage, ++do_stage) {
         q_pipe.producer_acquire(stage);  // waits for the stage to be free, then expects its bytes (Q's and lse's)
         copy(p.tma_q.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, m),
              tQsQ(_, stage.index()));
@@ -330,13 +335,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   // -------------------------------------------------------------------------------------------- MMA warpgroups
   cutlass::arch::warpgroup_reg_alloc<Traits::kMmaRegs>();
   if constexpr (Traits::kWide) {
-    // One tile per CTA (bwd_launch.h never launches the wide tile persistent): bwd_mma_wide's rings start afresh.
-    for (int tile_i = 0; kPersistent || tile_i == 0; ++tile_i) {
-      const int t = take_tile(tile_i);
-      if (t >= num_tiles) break;
-      const BwdWork w = work_of(t);
-      bwd_mma_wide<Traits>(p, shared, q_pipe, do_pipe, w.n_block, w.head, w.batch, w.m_begin, w.m_end);
-    }
+    // One tile per CTA: bwd_mma_wide's rings start afresh and it never frees K and V for a next tile.
+    static_assert(!kPersistent, "config.h: bwd_persistent");
+    const BwdWork w = work_of(first_tile);
+    bwd_mma_wide<Traits>(p, shared, q_pipe, do_pipe, w.n_block, w.head, w.batch, w.m_begin, w.m_end);
   } else {
     const int tid = threadIdx.x - kWarpgroupThreads;
     typename Traits::TiledMmaSdP mma_sdp;
@@ -380,7 +382,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       if (t >= num_tiles) break;
       const BwdWork w = work_of(t);
       const int n_block = w.n_block, head = w.head, batch = w.batch, m_count = w.m_end - w.m_begin;
-      const int diagonal = p.seqlen_k - p.seqlen_q;
+      const int diagonal = w.diagonal;
       const int stats_shift = ((batch * p.nheads + head) * p.seqlen_q) & 3;  // this head's first row in the stats box
       clear(tdKrdK);
       clear(tdVrdV);
@@ -390,7 +392,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         slab_used = true;
       }
       if (m_count > 0) shared.kv_full.wait(kv_loads++ & 1);
-      for (int i = 0, m = w.m_first; i < m_count; ++i, m = m + 1 == w.m_end ? w.m_begin : m + 1, ++stage) {
+      for (int i = 0, m = w.m_first; i < m_count; ++i, m = w.next(m), ++stage) {
         const int s = stage.index(), query0 = m * kBlockM, key0 = n_block * kBlockN;
         // S^T = K Q^T and dP^T = V dO^T, both in flight; P's exp2 overlaps dP's GEMM.
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<N, M>{});

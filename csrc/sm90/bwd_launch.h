@@ -32,7 +32,8 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
       (Traits::kWide && p.deterministic) ||
       p.softcap_in > 0.f ||
       p.alibi_slopes != nullptr || p.window_left >= 0 || p.window_right > 0 ||
-      int64_t(p.batch) * p.nheads * p.seqlen_q > INT32_MAX) {
+      int64_t(p.batch) * p.nheads * p.seqlen_q > INT32_MAX ||
+      int64_t(p.batch) * p.nheads * ceil_div_host(p.seqlen_k, Traits::kBlockN) > INT32_MAX) {
     throw std::logic_error("fa2: a backward plan the Hopper family does not serve (host/plan.cpp)");
   }
   bind_context();  // before the driver encodes the TMA descriptors (autograd's thread may have no context yet)
@@ -116,12 +117,11 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   // from a counter (the preprocess zeroes it), so a tile's start overlaps the previous one's end, where that pays
   // (config.h: bwd_persistent). Deterministic mode keeps a CTA per tile (its turns assume every key block of a head
   // can run at once).
-  const int64_t tiles = int64_t(n_blocks) * p.nheads * p.batch;
-  if (tiles > INT32_MAX) throw std::logic_error("fa2: too many backward tiles for the Hopper family (host/plan.cpp)");
+  const int tiles = n_blocks * p.nheads * p.batch;
   const bool persistent = Traits::kPersistent && p.dq_semaphore == nullptr && p.tile_counter != nullptr;
   k.tile_counter = persistent ? p.tile_counter : nullptr;
   const dim3 grid = !Traits::kPersistent ? dim3(n_blocks, p.nheads, p.batch)
-                    : persistent         ? dim3(std::min(int(tiles), device_sm_count()))
+                    : persistent         ? dim3(std::min(tiles, device_sm_count()))
                                          : dim3(tiles);
   kernel<<<grid, kBwdThreads, smem, stream>>>(k);
   check_cuda(cudaGetLastError(), "sm90 bwd launch");

@@ -187,8 +187,10 @@ struct BwdTraits {
     cute::array_aligned<float, kStatsStage * kStagesdO, 128> d;  // a box per stage, with dO's stages
     alignas(16) cutlass::arch::ClusterTransactionBarrier kv_full;  // K and V landed
     alignas(16) cutlass::arch::ClusterBarrier kv_empty;  // a tile's last GEMM that reads K and V retired (persistent)
-    alignas(16) cutlass::arch::ClusterBarrier tile_full[2];   // the tiles the producer drew (tile_scheduler.h): written
-    alignas(16) cutlass::arch::ClusterBarrier tile_empty[2];  // and read by the MMA warpgroups and the dQ writer
+    // The tiles a persistent CTA's producer drew (bwd_kernel.h): a slot written (full) and read by the MMA warpgroups
+    // and the dQ writer (empty).
+    alignas(16) cutlass::arch::ClusterBarrier tile_full[2];
+    alignas(16) cutlass::arch::ClusterBarrier tile_empty[2];
     int tiles[2];
     alignas(16) typename Pipeline::SharedStorage q_pipe;
     alignas(16) typename PipelinedO::SharedStorage do_pipe;

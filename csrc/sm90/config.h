@@ -40,9 +40,10 @@ constexpr bool fwd_serves(int head_dim, int seqlen_q, bool kvcache, int /*window
   return fwd_has_tile(head_dim) && seqlen_q > 64 && !kvcache;
 }
 
-// The backward (bwd_kernel.h; docs/tuning.md#sm90-backward). One CTA per (key block, head, batch) = a producer
-// warpgroup (TMA: K and V once, Q (two stages) and dO with lse and D per query block; at d64 and d128 a dQ writer warp)
-// and two MMA warpgroups, which walk the query blocks that see their keys.
+// The backward (bwd_kernel.h; docs/tuning.md#sm90-backward). A CTA per (key block, head, batch), or a persistent CTA
+// per SM taking such tiles in turn (bwd_persistent): a producer warpgroup (TMA: K and V once a tile, Q (two stages)
+// and dO with lse and D per query block; at d64 and d128 a dQ writer warp) and two MMA warpgroups, which walk the
+// query blocks that see their keys.
 // d64 and d128: 64 keys per warpgroup: S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory, dV += P^T dO and
 // dK += dS^T Q with P^T and dS^T from registers, dQ = dS K with dS through shared memory, staged in shared memory and
 // added into the fp32 dq_accum by the writer's TMA reduce-add. Two dO stages. d128: 80 queries x 128 keys for full
@@ -66,8 +67,8 @@ constexpr BwdTileShape bwd_tile(int head_dim, bool causal) {
 constexpr int bwd_do_stages(BwdTileShape t) { return t.head_dim == 256 ? 1 : t.stages; }
 
 // Persistent CTAs, one per SM drawing tiles from a counter (sm90/bwd_kernel.h), where they measured faster: d64 and
-// d128's causal 64-row tile. d128's 80-row tile ran 2-4% slower with the tile loop compiled in, and d256's MMA
-// warpgroups (bwd_mma_wide.h) start their rings afresh: a CTA per tile there.      docs/tuning.md#sm90-backward
+// d128's causal 64-row tile. d128's 80-row tile (24 / 240 registers) ran slower with the tile loop compiled in, and
+// d256's MMA warpgroups (bwd_mma_wide.h) start their rings afresh: a CTA per tile there.  docs/tuning.md#sm90-backward
 constexpr bool bwd_persistent(BwdTileShape t) { return t.head_dim == 64 || (t.head_dim == 128 && t.block_m == 64); }
 
 // Shared memory of a tile: K and V, the Q and dO stages (2-byte elements), their lse and D boxes (floats); d64/d128:
