@@ -91,7 +91,7 @@ __device__ __forceinline__ void pass_turn(int* semaphore) {
 // m_first = m_begin. The producer, both MMA warpgroups and the dQ writer walk the same order; the pipeline stages
 // follow it.
 struct BwdWork {
-  int n_block, head, batch, m_begin, m_end, m_first, diagonal;
+  int n_block, head, batch, m_begin, m_end, m_first;
   __device__ __forceinline__ int next(int m) const { return m + 1 == m_end ? m_begin : m + 1; }
 };
 
@@ -104,7 +104,7 @@ __device__ __forceinline__ BwdWork bwd_work(Params const& p, int x, int y, int b
   const int m_begin = p.causal ? max(b.block * kBlockN - diagonal, 0) / kBlockM : 0;
   const int m_end = ceil_div(p.seqlen_q, kBlockM), m_count = m_end - m_begin;
   const int m_first = p.dq_rotate && m_count > 0 ? m_begin + b.block % m_count : m_begin;
-  return {b.block, b.head, batch, m_begin, m_end, m_first, diagonal};
+  return {b.block, b.head, batch, m_begin, m_end, m_first};
 }
 
 template <class Traits>
@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         const int t = take_tile(tile_i);
         if (t >= num_tiles) break;
         const BwdWork w = work_of(t);
-        const int m_count = w.m_end - w.m_begin, n_block = w.n_block, diagonal = w.diagonal;
+        const int m_count = w.m_end - w.m_begin, n_block = w.n_block, diagonal = p.seqlen_k - p.seqlen_q;
         if (m_count <= 0) continue;
         if (owed) {
           cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty);
@@ -382,7 +382,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       if (t >= num_tiles) break;
       const BwdWork w = work_of(t);
       const int n_block = w.n_block, head = w.head, batch = w.batch, m_count = w.m_end - w.m_begin;
-      const int diagonal = w.diagonal;
+      // From the parameters (uniform), not from w: as a field of w it took a register and the 80-row tile spilled.
+      const int diagonal = p.seqlen_k - p.seqlen_q;
       const int stats_shift = ((batch * p.nheads + head) * p.seqlen_q) & 3;  // this head's first row in the stats box
       clear(tdKrdK);
       clear(tdVrdV);
