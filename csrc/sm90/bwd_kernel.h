@@ -1,11 +1,12 @@
 // The Hopper backward (fa2.reference.flash_bwd_tiled's inner loop, KV-stationary), warp-specialized. A tile is a
 // (key block, head, batch); a persistent CTA per SM takes them one after another from a counter (config.h:
-// bwd_persistent: d64, d128's causal tile), or one CTA per tile runs (the other tiles, deterministic mode). Warp 0 of warpgroup 0 draws the tiles, loads each tile's K and V once
-// and streams Q and dO (with lse and D) of every query block that sees those keys through TMA rings; warpgroups 1
-// and 2 own 64 keys each, keep dK and dV in registers for the whole stream, and stage each query block's dQ share in
-// shared memory, which warp 1 of warpgroup 0 adds into the fp32 dq_accum by TMA reduce-add. The next tile's first Q
-// and dO land while this one ends, and its K and V once this one's last GEMM that reads them retired. d256 keeps the
-// prologue and the producer; its MMA warpgroups are bwd_mma_wide.h's.
+// bwd_persistent: d64, d128's causal tile), or one CTA per tile runs (the other tiles, deterministic mode). Warp 0
+// of warpgroup 0 draws the tiles, loads each tile's K and V once and streams Q and dO (with lse and D) of every query
+// block that sees those keys through TMA rings; warpgroups 1 and 2 own 64 keys each, keep dK and dV in registers for
+// the whole stream, and stage each query block's dQ share in shared memory, which warp 1 of warpgroup 0 adds into the
+// fp32 dq_accum by TMA reduce-add. The next tile's first Q and dO land while this one ends, and its K and V once this
+// one's last GEMM that reads them retired. d256 keeps the prologue and the producer; its MMA warpgroups are
+// bwd_mma_wide.h's.
 //                                                                                      docs/tuning.md#sm90-backward
 //
 // Names: g* global tiles, s* shared (s*t: the transposed view of the same bytes), t*r* register fragments partitioned
@@ -153,8 +154,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   do_pipe_params.transaction_bytes = Traits::kBytesQ;  // dO's tile and D's box
   PipelinedO do_pipe(shared.do_pipe, do_pipe_params, Shape<_1, _1, _1>{});
   __syncthreads();  // the barriers are initialised (and the ticket drawn) before anyone waits on them
-  // The CTA's first tile (persistent kernels' grids are 1-D); a CTA-per-tile kernel's blockIdx.x when not deterministic,
-  // which work_of below does not read.
+  // The CTA's first tile (persistent kernels' grids are 1-D); a CTA-per-tile kernel's blockIdx.x when not
+  // deterministic, which work_of below does not read.
   const int first_tile = p.dq_semaphore ? shared.ticket : int(blockIdx.x);
   // The work of tile t: persistent kernels take t apart; the others have one tile, their blockIdx, or in deterministic
   // mode their ticket taken apart as blockIdx would be.
