@@ -104,6 +104,17 @@ def expected_launches(rank, world, seqlen, case):
                for qc in mine for kc in range(n_chunks))
 
 
+def same_on_every_rank(group, name, rank, **tensors):
+    """Every rank drew the same keys and values, bit for bit (each rank's reference is computed from its own draw):
+    a check before the attention, so that a mismatch below is the ring's. The CPU cases have failed rarely, under
+    load, by 1e-10 to 2e-9 in a few rows (docs/log.md, sessions 24-25); this says whether the draws were the cause."""
+    for label, t in tensors.items():
+        gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, t.contiguous(), group=group)
+        differ = [r for r, g in enumerate(gathered) if not torch.equal(g, t)]
+        assert not differ, f"{name} rank {rank}: ranks {differ} drew a different {label}"
+
+
 def run_case(case, rank, device, kernels):
     """One case on this rank: the ring's shard of out and gradients against the unsharded reference's."""
     cpu = device == "cpu"
@@ -117,11 +128,12 @@ def run_case(case, rank, device, kernels):
     # then not rounded to bf16 before the all-reduce, which would add one rounding per rank to the sum
     sink = (draw(case.nheads) if cpu else draw(case.nheads).float()) if case.sink else None
 
+    mesh = init_device_mesh(device, (case.world,))
+    same_on_every_rank(mesh.get_group(), case.name, rank, k=k, v=v)
     engine = cp._engine()
     engine._cp_options.rotate_method = {"allgather": engine._RotateMethod.ALL_GATHER,
                                         "alltoall": engine._RotateMethod.ALL_TO_ALL}[case.rotate]
     engine._cp_options.convert_to_f32 = not cpu  # in float64, merge and sum in float64: exact to rounding
-    mesh = init_device_mesh(device, (case.world,))
     rows = shard_rows(rank, case.world, seqlen, case.load_balance).to(device)
     leaves = [t[:, rows].clone().requires_grad_() for t in (q, k, v)]
     sink_leaf = None if sink is None else sink.clone().requires_grad_()

@@ -182,6 +182,7 @@ def cpu_worker(rank, world, port, out_dir):
 
     from fa2.integrations import sdpa
     from test_context_parallel import ReferenceKernels
+    from test_context_parallel_ring import same_on_every_rank
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -199,6 +200,7 @@ def cpu_worker(rank, world, port, out_dir):
             gen = torch.Generator().manual_seed(zlib.crc32(rotate.encode()))
             q, k, v, dout = (torch.randn(2, CPU_SEQLEN, 4, CPU_HEAD_DIM, generator=gen, dtype=torch.float64)
                              for _ in range(4))
+            same_on_every_rank(dist.group.WORLD, rotate, rank, k=k, v=v)
             positions = torch.arange(CPU_SEQLEN)
             with context_parallel(mesh, buffers=[positions], buffer_seq_dims=[0], no_restore_buffers={positions}):
                 leaves = [t[:, positions].requires_grad_() for t in (q, k, v)]
