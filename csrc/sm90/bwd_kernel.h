@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     if constexpr (!Traits::kWide) cute::prefetch_tma_descriptor(p.tma_dq.get_tma_descriptor());
     shared.kv_full.init(1);
     shared.kv_empty.init(Traits::kMmaThreads);
-    for (int i = 0; i < 2; ++i) shared.tile_full[i].init(1), shared.tile_empty[i].init(kTileReaders);
+    shared.tiles.init(kTileReaders);
     // Deterministic: the CTA's tile is a ticket drawn as it starts, so the CTAs it waits for have started, whatever
     // order the hardware dispatches blockIdx in.
     if (p.dq_semaphore) shared.ticket = atomicAdd(p.dq_semaphore + p.m_blocks * p.batch * p.nheads, 1);
@@ -173,10 +173,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   // where the kernel is persistent (config.h: bwd_persistent), else the CTA's one tile.
   auto take_tile = [&](int i) {
     if constexpr (kPersistent) {
-      shared.tile_full[i & 1].wait((i >> 1) & 1);
-      const int t = read_tile(shared.tiles[i & 1]);
-      shared.tile_empty[i & 1].arrive();
-      return t;
+      return shared.tiles.take(i);
     } else {
       return first_tile;
     }
@@ -270,9 +267,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         // two blocks before its end, so that a CTA commits late, as the hardware's dispatch would), a CTA per tile
         // (deterministic mode) none. Then it is published (a tile past the last tells the other warps to stop).
         if (tile_i > 0) t = p.tile_counter ? atomicAdd(p.tile_counter, 1) + int(gridDim.x) : num_tiles;
-        if (tile_i >= 2) shared.tile_empty[tile_i & 1].wait(((tile_i >> 1) - 1) & 1);
-        publish_tile(shared.tiles[tile_i & 1], t);
-        shared.tile_full[tile_i & 1].arrive();
+        shared.tiles.put(tile_i, t);
         if (t >= num_tiles) break;
       }
       const BwdWork w = work_of(t);

@@ -14,6 +14,7 @@
 #include "common/dtype.h"
 #include "common/schedule.h"
 #include "sm90/config.h"
+#include "sm90/tile_scheduler.h"
 
 namespace fa2::sm90 {
 using namespace cute;
@@ -187,11 +188,8 @@ struct BwdTraits {
     cute::array_aligned<float, kStatsStage * kStagesdO, 128> d;  // a box per stage, with dO's stages
     alignas(16) cutlass::arch::ClusterTransactionBarrier kv_full;  // K and V landed
     alignas(16) cutlass::arch::ClusterBarrier kv_empty;  // a tile's last GEMM that reads K and V retired (persistent)
-    // The tiles a persistent CTA's producer drew (bwd_kernel.h): a slot written (full) and read by the MMA warpgroups
-    // and the dQ writer (empty).
-    alignas(16) cutlass::arch::ClusterBarrier tile_full[2];
-    alignas(16) cutlass::arch::ClusterBarrier tile_empty[2];
-    int tiles[2];
+    // The tiles a persistent CTA's producer drew (tile_scheduler.h); the MMA warpgroups and the dQ writer read them.
+    alignas(16) TileMailbox tiles;
     alignas(16) typename Pipeline::SharedStorage q_pipe;
     alignas(16) typename PipelinedO::SharedStorage do_pipe;
     int ticket;  // deterministic mode: this CTA's place in the order (bwd_kernel.h)

@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
     if constexpr (Traits::kStoreByTma) cute::prefetch_tma_descriptor(p.tma_o.get_tma_descriptor());
     shared.q_full.init(1);
     shared.q_empty.init(Traits::kConsumerThreads);
-    for (int i = 0; i < 2; ++i) shared.tile_full[i].init(1), shared.tile_empty[i].init(Traits::kConsumerThreads);
+    shared.tiles.init(Traits::kConsumerThreads);
   }
   // K and V have a pipeline each (a stage is released once the GEMM that reads it has retired), advanced together.
   typename Pipeline::Params pipe_params;
@@ -126,10 +126,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
           if (w.m_block * kBlockM < seq_rows(p, w.batch).seqlen_q) break;
         }
       }
-      // Publish tile t in slot i % 2 (a tile past the end tells the consumers to stop), and draw the next.
-      if (i >= 2) shared.tile_empty[i & 1].wait(((i >> 1) - 1) & 1);
-      publish_tile(shared.tiles[i & 1], t);
-      shared.tile_full[i & 1].arrive();
+      // Publish tile t (a tile past the end tells the consumers to stop), and draw the next.
+      shared.tiles.put(i, t);
       if (t >= num_tiles) break;
       const WorkTile w = scheduler.tile(t);
       const SeqRows seq = seq_rows(p, w.batch);
@@ -214,9 +212,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
   if (warpgroup == 1) pingpong.take_first_turn();
 
   for (int i = 0;; ++i) {
-    shared.tile_full[i & 1].wait((i >> 1) & 1);
-    const int t = read_tile(shared.tiles[i & 1]);
-    shared.tile_empty[i & 1].arrive();
+    const int t = shared.tiles.take(i);
     if (t >= num_tiles) break;
     const WorkTile w = scheduler.tile(t);
     const SeqRows seq = seq_rows(p, w.batch);

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cute/config.hpp>
+#include <cutlass/arch/barrier.h>
 
 namespace fa2::sm90 {
 
@@ -39,16 +40,33 @@ struct TileScheduler {
   }
 };
 
-// A tile index handed from a persistent kernel's producer to its other warps through shared memory: the mbarrier's
-// arrive releases it and its wait acquires it, and the compiler must not move the access across them (their asm
-// names no memory).
-__device__ __forceinline__ void publish_tile(int& slot, int t) {
-  *reinterpret_cast<volatile int*>(&slot) = t;
-  asm volatile("" ::: "memory");
-}
-__device__ __forceinline__ int read_tile(const int& slot) {
-  asm volatile("" ::: "memory");
-  return *reinterpret_cast<const volatile int*>(&slot);
-}
+// A persistent kernel's tiles, handed from its producer warp to the warps that compute them through shared memory.
+// Two slots, so that the producer may draw one tile ahead: the CTA's i-th tile travels in slot i % 2, and a tile past
+// the last tells the readers to stop. The slot's mbarrier arrive releases the index and its wait acquires it; the
+// compiler must not move the access across them (their asm names no memory), hence the volatile access and fences.
+struct TileMailbox {
+  alignas(16) cutlass::arch::ClusterBarrier full[2];   // a slot written (the producer)
+  alignas(16) cutlass::arch::ClusterBarrier empty[2];  // a slot read (every reader)
+  int tiles[2];
+
+  CUTE_DEVICE void init(int readers) {
+    for (int s = 0; s < 2; ++s) full[s].init(1), empty[s].init(readers);
+  }
+  // The producer: the CTA's i-th tile is t (waits until every reader took tile i - 2 from the slot).
+  CUTE_DEVICE void put(int i, int t) {
+    if (i >= 2) empty[i & 1].wait(((i >> 1) - 1) & 1);
+    *reinterpret_cast<volatile int*>(&tiles[i & 1]) = t;
+    asm volatile("" ::: "memory");
+    full[i & 1].arrive();
+  }
+  // Every reader, once per tile, in order.
+  CUTE_DEVICE int take(int i) {
+    full[i & 1].wait((i >> 1) & 1);
+    asm volatile("" ::: "memory");
+    const int t = *reinterpret_cast<const volatile int*>(&tiles[i & 1]);
+    empty[i & 1].arrive();
+    return t;
+  }
+};
 
 }  // namespace fa2::sm90

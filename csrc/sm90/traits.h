@@ -85,10 +85,7 @@ struct FwdTraits {
     cute::array_aligned<Element, kStoreByTma ? cute::cosize_v<SmemLayoutO> : 8, 1024> o;
     alignas(16) cutlass::arch::ClusterTransactionBarrier q_full;  // Q landed (the producer's TMA)
     alignas(16) cutlass::arch::ClusterBarrier q_empty;           // Q read by every Q K^T of the tile (the consumers)
-    // The tiles the producer drew (tile_scheduler.h), two slots so that it may draw one ahead.
-    int tiles[2];
-    alignas(16) cutlass::arch::ClusterBarrier tile_full[2];   // a slot written (the producer)
-    alignas(16) cutlass::arch::ClusterBarrier tile_empty[2];  // a slot read (the consumers)
+    alignas(16) TileMailbox tiles;  // the tiles the producer drew (tile_scheduler.h); the consumers read them
     alignas(16) typename Pipeline::SharedStorage k_pipe;
     alignas(16) typename Pipeline::SharedStorage v_pipe;
   };
