@@ -87,9 +87,9 @@ def run_cases(cases, varlen_cases, dtypes, window=None):
 
 
 def run_kvcache():
-    """fa2.attention_with_kvcache: appends and decodes against entries picked by cache_batch_idx and against pages
-    (every head dim with pages, so both 64-row tiles), then index values out of range, which the kernels must clamp
-    to the tensors (sanitizer: no access outside them)."""
+    """fa2.attention_with_kvcache: appends (plain and rotary) and decodes against entries picked by cache_batch_idx
+    and against pages (every head dim with pages, so both 64-row tiles), then index values out of range, which the
+    kernels must clamp to the tensors (sanitizer: no access outside them)."""
     for d in (64, 128, 224, 256):
         if d not in fa2.build_info()["fwd_head_dims"]:
             continue
@@ -98,9 +98,14 @@ def run_kvcache():
             q, k, v = (torch.randn(2, s, n, d, device="cuda", dtype=torch.bfloat16) for s, n in ((3, 4), (3, 2), (3, 2)))
             where = (dict(block_table=torch.tensor([[4, 1, 0], [2, 5, 3]], device="cuda", dtype=torch.int32))
                      if paged else dict(cache_batch_idx=torch.tensor([3, 0], device="cuda", dtype=torch.int32)))
+            # A rotary table of the capacity's rows (positions past it clamp to its last), interleaved where paged.
+            rows = k_cache.shape[1] * (where["block_table"].shape[1] if paged else 1)
+            cos, sin = (torch.randn(rows, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             for held in ([0, 250], [700, -9], [2 ** 31 - 3, 5]):  # in range, then past the capacity and negative
                 lens = torch.tensor(held, device="cuda", dtype=torch.int32)
                 fa2.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True, **where)
+                fa2.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, rotary_cos=cos,
+                                           rotary_sin=sin, rotary_interleaved=paged, **where)
             bad = torch.tensor([[-4, 99, 1], [2, 10 ** 6, 3]] if paged else [-1, 9], device="cuda", dtype=torch.int32)
             where = {name: bad for name in where}
             out = fa2.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, num_splits=3, **where)

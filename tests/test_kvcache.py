@@ -251,6 +251,7 @@ def test_flash_attn_with_kvcache_is_attention_with_kvcache(require_kernel):
 # (batch, seqlen_q, seqlen_new, nheads, nheads_k, head_dim, capacity, rotary_dim, causal, window_size)
 ROTARY_CASES = [
     (3, 1, 1, 8, 2, 128, 1000, 128, True, (-1, -1)),  # a GQA decode step (packed), the whole head rotated
+    (2, 1, 1, 32, 8, 128, 4096, 64, False, (-1, -1)),  # split many ways: q's rotated copy is the output's buffer
     (2, 6, 6, 8, 2, 128, 640, 64, True, (-1, -1)),    # a causal prompt chunk: q's rows at cache_seqlens + i
     (2, 5, 3, 4, 4, 64, 320, 32, False, (-1, -1)),    # not causal, more q rows than new ones: all at cache_seqlens
     (2, 4, 4, 4, 2, 64, 512, 16, False, (40, 3)),     # a window: q's rows advance

@@ -70,6 +70,18 @@ def test_a_paged_cache_is_read_by_the_decode_tile(recording):
     assert plan["paged"] and plan["tile"] == "decode"
 
 
+def test_the_forward_starts_early_only_where_its_code_waits(recording):
+    """Programmatic dependent launch (csrc/common/pdl.h): the forward behind a KV append and the combine behind the
+    splits start early where the device code is sm90's, which waits for the kernel ahead; sm80 code has no wait, so
+    an sm80-only build never asks for it (record mode plans for the build's highest arch)."""
+    q = torch.randn(2, 1, 8, 64, dtype=BF16)
+    k_cache, v_cache = (torch.randn(2, 512, 2, 64, dtype=BF16) for _ in range(2))
+    k, v = (torch.randn(2, 1, 2, 64, dtype=BF16) for _ in range(2))
+    fa2.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([100, 7], dtype=torch.int32))
+    plan = next(launch["plan"] for kind, launch in reversed(recording.calls) if kind == "fwd")
+    assert plan["pdl"] == (max(fa2.build_info()["archs"]) >= 90)
+
+
 def test_the_backward_takes_the_first_tile_that_fits(recording, launch_overrides):
     q, k, v = qkv()
     out, lse = torch.empty_like(q), torch.empty(1, 4, 256)

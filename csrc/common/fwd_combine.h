@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "common/params.h"
+#include "common/pdl.h"
 
 namespace fa2 {
 
@@ -47,6 +48,7 @@ __global__ void __launch_bounds__(kCombineThreads) fwd_combine_kernel(const __gr
     return x;
   };
   const float sink = p.sink == nullptr ? -INFINITY : p.sink[head];
+  wait_for_previous_kernel();  // launched early behind the forward's splits (pdl.h): their results are read below
   const float lse_s = tid < p.num_splits ? p.lse_partial[tid * p.lse_rows + row] : -INFINITY;  // split tid's
   const float m = fmaxf(sink, block_reduce(lse_s, [](float a, float b) { return fmaxf(a, b); }));
   float l = block_reduce(m == -INFINITY ? 0.f : expf(lse_s - m), [](float a, float b) { return a + b; });

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include "common/params.h"
+#include "common/pdl.h"
 #include "common/seqlen.h"
 
 namespace fa2 {
@@ -39,8 +40,10 @@ __device__ __forceinline__ uint16_t float_to_half_bits(float x, bool bf16) {
 // Chunk `chunk` (elements [8 * chunk, 8 * chunk + 8)) of one head's row `src`, rotated at `position` (already
 // clamped to cos/sin's rows). A non-interleaved pair's partner may sit in another chunk: it is read from `src` (the
 // same row, which the neighbouring threads are reading, so from L1). Where the chunk lies inside rotary_dim and the
-// rows of cos and sin are 16-byte aligned (rotary_dim a multiple of 16, as flash-attn requires), the partner, cosines
-// and sines arrive as one vector load each; otherwise element by element.
+// rows of cos and sin are 16-byte aligned (rotary_dim a multiple of 16, as flash-attn requires, and aligned bases),
+// the partner, cosines and sines arrive as one vector load each; otherwise element by element. No branch before the
+// loads of the chunk and its partner depends on `position`, so that they go out beside the load of the position
+// (cache.seqlens) and only the cosines and sines wait for it (docs/tuning.md#pdl).
 __device__ __forceinline__ uint4 rotated_chunk(KvAppendParams const& p, const uint16_t* src, int chunk,
                                                int64_t position) {
   const uint4 packed = *reinterpret_cast<const uint4*>(src + 8 * chunk);
@@ -50,8 +53,9 @@ __device__ __forceinline__ uint4 rotated_chunk(KvAppendParams const& p, const ui
   const auto* sin = static_cast<const uint16_t*>(p.rotary_sin) + position * half;
   uint16_t x[8], y[8], partner[8], c[8], sn[8];
   memcpy(x, &packed, 16);
-  const bool aligned = p.rotary_dim % 16 == 0 && (reinterpret_cast<uintptr_t>(cos) & 15) == 0 &&
-                       (reinterpret_cast<uintptr_t>(sin) & 15) == 0;
+  // A row starts position * rotary_dim bytes after the table's start: 16-byte aligned wherever the start is.
+  const bool aligned = p.rotary_dim % 16 == 0 && ((reinterpret_cast<uintptr_t>(p.rotary_cos) |
+                                                   reinterpret_cast<uintptr_t>(p.rotary_sin)) & 15) == 0;
   if (aligned && !p.interleaved) {  // the chunk is all in one half; its partner is the chunk half / 8 away
     const bool first = j0 < half;
     const int i0 = first ? j0 : j0 - half;
@@ -93,6 +97,7 @@ __device__ __forceinline__ uint4 rotated_chunk(KvAppendParams const& p, const ui
 // where s is a new row; the gridDim.z parts' threads share the row's heads, 16 bytes each, so that a decode step of
 // one sequence (one row) still spreads its chunks over the GPU rather than looping in one block.
 __global__ void __launch_bounds__(kAppendThreads) kv_append_kernel(const __grid_constant__ KvAppendParams p) {
+  let_next_kernel_launch();  // the forward's prologue may run beside this grid (pdl.h); it waits for it to end
   const int s = blockIdx.x, batch = blockIdx.y;
   const int start = blockIdx.z * kAppendThreads + threadIdx.x, stride = gridDim.z * kAppendThreads;
   const int64_t held = p.cache.seqlens != nullptr ? p.cache.seqlens[batch] : p.cache.seqlen;
@@ -102,7 +107,6 @@ __global__ void __launch_bounds__(kAppendThreads) kv_append_kernel(const __grid_
   const int q_chunks = p.rotary_dim > 0 && p.seqlen_q > 0 ? p.nheads * chunks_per_head : 0;
   const int chunks = p.nheads_k * chunks_per_head;
   const int64_t row = held + s;
-  const bool appends = s < p.cache.appended && row >= 0 && row < p.cache.capacity;
   for (int i = start; i < q_chunks + 2 * chunks; i += stride) {
     if (i < q_chunks) {
       if (s >= p.seqlen_q) continue;
@@ -115,7 +119,7 @@ __global__ void __launch_bounds__(kAppendThreads) kv_append_kernel(const __grid_
       *reinterpret_cast<uint4*>(dst + 8 * chunk) = rotated_chunk(p, src, chunk, position);
       continue;
     }
-    if (!appends) continue;
+    if (s >= p.cache.appended) continue;
     const int kv = i - q_chunks;
     const bool is_v = kv >= chunks;
     const int head = (kv % chunks) / chunks_per_head, chunk = kv % chunks_per_head;
@@ -124,10 +128,14 @@ __global__ void __launch_bounds__(kAppendThreads) kv_append_kernel(const __grid_
     // Strides count 2-byte elements; a chunk is 8 of them. The key's position is its cache row.
     const auto* src = static_cast<const uint16_t*>(is_v ? p.v_new : p.k_new) + batch * src_st.batch + s * src_st.row +
                       head * src_st.head;
+    // Read (and rotated) before the row is checked, so that the reads wait for no branch on the position.
+    const uint4 chunk_out = is_v || p.rotary_dim == 0
+                                ? *reinterpret_cast<const uint4*>(src + 8 * chunk)
+                                : rotated_chunk(p, src, chunk, max(min(row, last_position), int64_t(0)));
+    if (row < 0 || row >= p.cache.capacity) continue;
     auto* dst = static_cast<uint16_t*>(is_v ? p.v_cache : p.k_cache) +
                 cache_row_offset(p.cache, dst_st, batch, int(row)) + head * dst_st.head + 8 * chunk;
-    *reinterpret_cast<uint4*>(dst) = is_v || p.rotary_dim == 0 ? *reinterpret_cast<const uint4*>(src + 8 * chunk)
-                                                               : rotated_chunk(p, src, chunk, min(row, last_position));
+    *reinterpret_cast<uint4*>(dst) = chunk_out;
   }
 }
 

@@ -52,6 +52,9 @@ struct FwdPlan {
   bool pack_gqa = false;  // a GQA decode's query heads packed into the rows of one block (host/plan.cpp)
   bool paged = false;     // the K/V are a paged cache
   int head_group = 0;     // causal: heads dispatched heaviest block first together (common/schedule.h); 0: plain order
+  // The device code is sm90's (the mma.sync family's arch-90 build): the forward behind a KV append, and the split-KV
+  // combine behind the forward, start early and wait in their prologue (common/pdl.h).
+  bool pdl = false;
 };
 
 struct BwdPlan {

@@ -103,12 +103,13 @@ const char* family_name(fa2::Family f) { return f == fa2::Family::kSm80 ? "sm80"
 PyObject* fwd_plan(const fa2::FwdPlan& plan) {
   static const char* tiles[] = {"main", "narrow", "decode"};
   static const char* transforms[] = {"none", "logits", "all"};
-  return Py_BuildValue("{s:s,s:i,s:s,s:s,s:(iiii),s:s,s:i,s:O,s:O,s:i}", "family", family_name(plan.family),
+  return Py_BuildValue("{s:s,s:i,s:s,s:s,s:(iiii),s:s,s:i,s:O,s:O,s:i,s:O}", "family", family_name(plan.family),
                        "head_dim", plan.head_dim, "dtype", fa2::dtype_name(plan.dtype), "tile",
                        tiles[int(plan.tile)], "shape", plan.shape.block_m, plan.shape.block_n, plan.shape.warps,
                        plan.shape.stages, "transforms", transforms[int(plan.transforms)], "num_splits",
                        plan.num_splits, "pack_gqa", plan.pack_gqa ? Py_True : Py_False, "paged",
-                       plan.paged ? Py_True : Py_False, "head_group", plan.head_group);
+                       plan.paged ? Py_True : Py_False, "head_group", plan.head_group, "pdl",
+                       plan.pdl ? Py_True : Py_False);
 }
 
 PyObject* bwd_plan(const fa2::BwdPlan& plan) {

@@ -226,8 +226,11 @@ std::tuple<Tensor, Tensor> fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache,
   }
   cache.leftpad = cache_leftpad ? static_cast<const int*>(cache_leftpad->data_ptr()) : nullptr;
   // With a rotary embedding the append's grid also rotates q into q_rotated, which the attention reads instead of q.
+  // q_rotated is `out` (one allocation less on a decode step's host path): each CTA of the forward reads its Q tile
+  // once, first, and writes the same rows and heads of O last, and a split forward's combine writes O only after
+  // every split has read its Q (pdl.h's wait).
   const bool rotary = rotary_cos.has_value(), rotate_q = rotary && q.numel() > 0;
-  Tensor q_attended = rotate_q ? new_like(q) : q;
+  Tensor q_attended = rotate_q ? out : q;
   if (k_new && (k_new->numel() > 0 || rotary)) {
     KvAppendParams a;
     a.k_new = k_new->data_ptr(), a.v_new = v_new->data_ptr();

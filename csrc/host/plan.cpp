@@ -106,7 +106,9 @@ int requested_family() {
 }
 
 Family forward_family(const FwdParams& p, DType dtype, int head_dim, const DeviceInfo& device) {
-  if (requested_family() == 1 || !device.sm90a) return Family::kSm80;
+  // The compiled head dim exactly, as for the backward: the Hopper forward pads no head dim (a build without the
+  // call's own, FA2_HEAD_DIMS, runs it padded on the mma.sync family).
+  if (requested_family() == 1 || !device.sm90a || head_dim != p.head_dim) return Family::kSm80;
   const bool serves = sm90_built(false, head_dim, dtype) &&
                       sm90::fwd_serves(p.head_dim, p.seqlen_q, p.cache.capacity > 0 || p.cache.block_table != nullptr,
                                        p.window_left, p.window_right,
@@ -201,6 +203,7 @@ FwdPlan plan_forward(FwdParams& p, DType dtype, int head_dim, int requested_spli
     return plan;
   }
   plan.paged = p.cache.block_table != nullptr;
+  plan.pdl = device.code_arch >= 90;
   plan.pack_gqa = pack_gqa_decode(p);
   plan.tile = fwd_tile_for(plan.head_dim, p.seqlen_q, p.seqlen_k, p.causal(), p.rng_state != nullptr,
                            device.smem_limit, plan.paged);

@@ -11,6 +11,7 @@
 #include "sm80/dropout.h"
 #include "sm80/mask.h"
 #include "common/params.h"
+#include "common/pdl.h"
 #include "common/schedule.h"
 #include "common/seqlen.h"
 #include "sm80/softmax.h"
@@ -49,6 +50,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   const int tid = threadIdx.x;
   const int row_offset = m_block * kBlockM;
   const SeqInfo seq(p, batch, head);
+  // Launched early behind the KV append (common/pdl.h): nothing above reads what the append writes (q_rotated, the
+  // cache's new rows). The split-KV combine may then launch (it waits for this grid in turn).
+  wait_for_previous_kernel();
+  let_next_kernel_launch();
   if (row_offset >= seq.seqlen_q) return;  // varlen: the grid is sized for the longest sequence
   KeyBlocks blocks = key_blocks<kBlockM, kBlockN>(p, m_block, seq.seqlen_q, seq.seqlen_k);
   if (splits) blocks = split_share(blocks, split, p.num_splits);

@@ -9,6 +9,7 @@
 
 #include "common/fwd_combine.h"
 #include "common/launch.h"
+#include "common/pdl.h"
 #include "common/plan.h"
 #include "sm80/api.h"
 #include "sm80/config.h"
@@ -29,7 +30,7 @@ template <int kHeadDim, FwdTile kTile, DType kDType>
 using FwdTraitsOf = typename FwdTileTraits<kHeadDim, kTile, kDType>::type;
 
 template <typename Traits, ScoreTransforms kTransforms>
-void launch_fwd(const FwdParams& params, cudaStream_t stream) {
+void launch_fwd(const FwdParams& params, bool pdl, cudaStream_t stream) {
   static_assert(kPageRows % Traits::kBlockN == 0, "a key block lies in one page of a paged cache");
   constexpr int smem = Traits::kSmemSize;
   constexpr auto kernel = &fwd_kernel<Traits, kTransforms>;
@@ -37,11 +38,14 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   if (smem > limit) throw_smem_too_small("forward", params.head_dim, smem, limit);
   allow_smem<kernel>(smem, "fwd smem");
   const dim3 grid(ceil_div_host(params.seqlen_q, Traits::kBlockM), params.nheads, params.batch * params.num_splits);
-  kernel<<<grid, Traits::kNThreads, smem, stream>>>(params);
-  check_cuda(cudaGetLastError(), "fwd launch");
+  // Early (common/pdl.h) behind the KV append that ops.cpp launched just before, and the combine behind the splits.
+  check_cuda(launch_maybe_early(pdl && params.cache.appended > 0, kernel, grid, dim3(Traits::kNThreads), smem, stream,
+                                params),
+             "fwd launch");
   if (params.num_splits > 1) {
-    fwd_combine_kernel<typename Traits::Element><<<unsigned(params.lse_rows), kCombineThreads, 0, stream>>>(params);
-    check_cuda(cudaGetLastError(), "fwd combine launch");
+    check_cuda(launch_maybe_early(pdl, &fwd_combine_kernel<typename Traits::Element>, dim3(unsigned(params.lse_rows)),
+                                  dim3(kCombineThreads), 0, stream, params),
+               "fwd combine launch");
   }
 }
 
@@ -55,21 +59,21 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   if constexpr (fwd_has_narrow_tile(kHeadDim)) {
     if (plan.tile == FwdTile::kNarrow && plan.transforms == ScoreTransforms::kAll && plan.num_splits == 1) {
       using Narrow = FwdTraitsOf<kHeadDim, FwdTile::kNarrow, kDType>;
-      return launch_fwd<Narrow, ScoreTransforms::kAll>(p, stream);
+      return launch_fwd<Narrow, ScoreTransforms::kAll>(p, plan.pdl, stream);
     }
   }
   if constexpr (fwd_has_decode_tile(kHeadDim)) {
     if (plan.tile == FwdTile::kDecode && plan.transforms == ScoreTransforms::kLogits) {
       using Decode = FwdTraitsOf<kHeadDim, FwdTile::kDecode, kDType>;
-      return launch_fwd<Decode, ScoreTransforms::kLogits>(p, stream);
+      return launch_fwd<Decode, ScoreTransforms::kLogits>(p, plan.pdl, stream);
     }
   }
   const bool splits_ok = plan.num_splits == 1 || plan.transforms == ScoreTransforms::kLogits;
   if (plan.tile == FwdTile::kMain && !plan.paged && splits_ok) {
     switch (plan.transforms) {
-      case ScoreTransforms::kNone: return launch_fwd<Main, ScoreTransforms::kNone>(p, stream);
-      case ScoreTransforms::kLogits: return launch_fwd<Main, ScoreTransforms::kLogits>(p, stream);
-      case ScoreTransforms::kAll: return launch_fwd<Main, ScoreTransforms::kAll>(p, stream);
+      case ScoreTransforms::kNone: return launch_fwd<Main, ScoreTransforms::kNone>(p, plan.pdl, stream);
+      case ScoreTransforms::kLogits: return launch_fwd<Main, ScoreTransforms::kLogits>(p, plan.pdl, stream);
+      case ScoreTransforms::kAll: return launch_fwd<Main, ScoreTransforms::kAll>(p, plan.pdl, stream);
     }
   }
   throw std::logic_error("fa2: a forward plan without an instance (host/plan.cpp plans only compiled instances)");

@@ -1,0 +1,86 @@
+"""Time over time of two KV-cache decode steps, alternated in rounds (default: the rotary append over the plain one):
+
+    python bench/decode_ratio.py [--impls fa2_append,fa2_rotary] [--batches 1,2,4,8,16,32,64] [--seqlens-k 1024,16384]
+
+Each round replays each step's CUDA graph 100 times (GPU time of its kernels alone) and calls it 300 times back to
+back (host time per call); the medians of the rounds and the range of the per-round ratios are printed as JSON lines.
+A few-percent difference on a 10-50 µs step is below bench.py decode's spread between processes; alternating both
+steps in one process is what resolves it (docs/tuning.md#pdl). The steps are bench.py's kvcache_fn (d128, GQA 32/8).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+import common  # noqa: E402
+
+
+def graph_of(fn):
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impls", default="fa2_append,fa2_rotary", help="two of bench.py's KV-cache steps: base,other")
+    p.add_argument("--batches", default="1,2,4,8,16,32,64")
+    p.add_argument("--seqlens-k", default="1024,16384")
+    p.add_argument("--rounds", type=int, default=15)
+    a = p.parse_args()
+    import torch
+    common.require_gpu("decode_ratio.py")
+    fa2 = common.load(None)
+    base, other = common.csv_list(a.impls, allowed=bench.KVCACHE_IMPLS, name="--impls")
+    for b in common.csv_list(a.batches, int):
+        for sk in common.csv_list(a.seqlens_k, int):
+            q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(b, sk, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            fns = {i: bench.kvcache_fn(i, fa2, q, k, v) for i in (base, other)}
+            graphs = {i: graph_of(f) for i, f in fns.items()}
+            gpu, host = {i: [] for i in fns}, {i: [] for i in fns}
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(a.rounds):
+                for i in fns:
+                    start.record()
+                    for _ in range(100):
+                        graphs[i].replay()
+                    end.record()
+                    torch.cuda.synchronize()
+                    gpu[i].append(start.elapsed_time(end) * 10)  # µs per replay
+                    for _ in range(20):
+                        fns[i]()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(300):
+                        fns[i]()
+                    torch.cuda.synchronize()
+                    host[i].append((time.perf_counter() - t0) / 300 * 1e6)
+            g = {i: statistics.median(x) for i, x in gpu.items()}
+            h = {i: statistics.median(x) for i, x in host.items()}
+            ratios = [o / s for o, s in zip(gpu[other], gpu[base])]
+            print(json.dumps(dict(batch=b, seqlen_k=sk, gpu_us={i: round(x, 3) for i, x in g.items()},
+                                  gpu_ratio=round(g[other] / g[base], 4),
+                                  gpu_ratio_range=[round(min(ratios), 4), round(max(ratios), 4)],
+                                  host_us={i: round(x, 2) for i, x in h.items()},
+                                  host_ratio=round(h[other] / h[base], 4))), flush=True)
+            del q, k, v, graphs
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
