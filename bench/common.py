@@ -71,8 +71,8 @@ def per_call_us(fn, n=300):
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def kernel_us(fn, n=100):
-    """GPU µs per call of fn's kernels alone: fn captured once in a CUDA graph, the graph replayed n times."""
+def graph_of(fn):
+    """fn captured once in a CUDA graph (after a warm-up call on a side stream), replayed once."""
     import torch
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -84,6 +84,13 @@ def kernel_us(fn, n=100):
         fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def kernel_us(fn, n=100):
+    """GPU µs per call of fn's kernels alone: fn captured once in a CUDA graph, the graph replayed n times."""
+    import torch
+    graph = graph_of(fn)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(n):

@@ -19,21 +19,6 @@ import bench  # noqa: E402
 import common  # noqa: E402
 
 
-def graph_of(fn):
-    import torch
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--impls", default="fa2_append,fa2_rotary", help="two of bench.py's KV-cache steps: base,other")
@@ -50,7 +35,7 @@ def main():
             q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(b, sk, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             fns = {i: bench.kvcache_fn(i, fa2, q, k, v) for i in (base, other)}
-            graphs = {i: graph_of(f) for i, f in fns.items()}
+            graphs = {i: common.graph_of(f) for i, f in fns.items()}
             gpu, host = {i: [] for i in fns}, {i: [] for i in fns}
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for _ in range(a.rounds):
