@@ -89,8 +89,12 @@ def graph_of(fn):
 
 def kernel_us(fn, n=100):
     """GPU µs per call of fn's kernels alone: fn captured once in a CUDA graph, the graph replayed n times."""
+    return replay_us(graph_of(fn), n)
+
+
+def replay_us(graph, n=100):
+    """GPU µs per replay of a captured CUDA graph, n replays back to back."""
     import torch
-    graph = graph_of(fn)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(n):

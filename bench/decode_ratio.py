@@ -12,7 +12,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
@@ -37,23 +36,10 @@ def main():
             fns = {i: bench.kvcache_fn(i, fa2, q, k, v) for i in (base, other)}
             graphs = {i: common.graph_of(f) for i, f in fns.items()}
             gpu, host = {i: [] for i in fns}, {i: [] for i in fns}
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for _ in range(a.rounds):
                 for i in fns:
-                    start.record()
-                    for _ in range(100):
-                        graphs[i].replay()
-                    end.record()
-                    torch.cuda.synchronize()
-                    gpu[i].append(start.elapsed_time(end) * 10)  # µs per replay
-                    for _ in range(20):
-                        fns[i]()
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    for _ in range(300):
-                        fns[i]()
-                    torch.cuda.synchronize()
-                    host[i].append((time.perf_counter() - t0) / 300 * 1e6)
+                    gpu[i].append(common.replay_us(graphs[i]))
+                    host[i].append(common.per_call_us(fns[i]))
             g = {i: statistics.median(x) for i, x in gpu.items()}
             h = {i: statistics.median(x) for i, x in host.items()}
             ratios = [o / s for o, s in zip(gpu[other], gpu[base])]
