@@ -110,10 +110,10 @@ def test_the_launch_splits_a_decode_and_not_a_large_forward(require_kernel):
 
 @gpu
 @pytest.mark.parametrize("case", ["dropout", "d256 short", "d256 on 99 KB"])
-def test_calls_without_a_split_instance_run_whole(case, require_kernel, launch_overrides):
-    """Only the kLogits instances (main and decode tiles) have split-KV (config.h): a decode with dropout, and d256
-    decodes that take the narrow tile (a short cache, or a 99 KB GPU), run in one kernel whatever the override asks,
-    exactly as without it."""
+def test_dropout_runs_whole_and_the_narrow_tile_splits(case, require_kernel, launch_overrides):
+    """Only the kLogits instances have split-KV (config.h): a decode with dropout runs in one kernel whatever the
+    override asks, exactly as without it; d256 decodes that take the narrow tile (a short cache, or a 99 KB GPU) split
+    on its kLogits instance, and match the reference."""
     d, seqlen_k = (128, 4096) if case == "dropout" else (256, 1000 if case == "d256 short" else 4096)
     require_kernel("fwd", d, torch.bfloat16)
     q, k, v = randn(2, 1, 8, d), randn(2, seqlen_k, 2, d), randn(2, seqlen_k, 2, d)
@@ -125,11 +125,14 @@ def test_calls_without_a_split_instance_run_whole(case, require_kernel, launch_o
     launch_overrides(smem_limit=smem_limit)
     whole_out, whole_lse = fa2.fwd(q, k, v, **options)
     launch_overrides(num_splits=16, smem_limit=smem_limit)
-    assert _kernels(lambda: fa2.fwd(q, k, v, **options)) == {"fwd_kernel"}
+    split = case != "dropout"
+    assert _kernels(lambda: fa2.fwd(q, k, v, **options)) == ({"fwd_kernel", "fwd_combine_kernel"} if split
+                                                            else {"fwd_kernel"})
     out, lse = fa2.fwd(q, k, v, **options)
-    assert torch.equal(out, whole_out) and torch.equal(lse, whole_lse)
-    if case != "dropout":
+    if split:
         check_forward(out, lse, q, k, v, case, **options)
+    else:
+        assert torch.equal(out, whole_out) and torch.equal(lse, whole_lse)
 
 
 def _fwd_tiles(fn):
@@ -212,14 +215,15 @@ def test_a_forced_split_count_reaches_the_launch_unless_it_has_dropout(recording
     assert dropped["num_splits"] == 1  # kAll, the dropout instance, has no split-KV
 
 
-def test_a_forced_split_count_does_not_reach_the_narrow_tile(recording, require_kernel):
-    """A d256 decode against 1000 keys runs the narrow tile (config.h: fwd_tile_for), which has no split-KV; 1100
-    keys run the main tile, which splits."""
+def test_a_forced_split_count_splits_the_narrow_tile_on_its_logits_instance(recording, require_kernel):
+    """A d256 decode against 1000 keys runs the narrow tile (config.h: fwd_tile_for), split on its kLogits instance;
+    1100 keys run the main tile, which splits too."""
     require_kernel("fwd", 256, torch.bfloat16)
     ops._C.set_test_overrides(record=True, num_splits=7)
-    for seqlen_k, splits in [(1000, 1), (1100, 7)]:
+    for seqlen_k, tile in [(1000, "narrow"), (1100, "main")]:
         q = torch.randn(1, 1, 8, 256, dtype=torch.bfloat16)
         k, v = (torch.randn(1, seqlen_k, 2, 256, dtype=torch.bfloat16) for _ in range(2))
-        assert _recorded_fwd(recording, q, k, v)["num_splits"] == splits, seqlen_k
+        launch = _recorded_fwd(recording, q, k, v)
+        assert (launch["num_splits"], launch["plan"]["transforms"], launch["plan"]["tile"]) == (7, "logits", tile)
     with pytest.raises(ValueError, match="num_splits"):
         ops._C.set_test_overrides(num_splits=129)  # past kMaxSplits (params.h)

@@ -70,6 +70,21 @@ def test_a_paged_cache_is_read_by_the_decode_tile(recording):
     assert plan["paged"] and plan["tile"] == "decode"
 
 
+def test_a_paged_decode_at_d256_splits_on_the_narrow_tile(recording, launch_overrides):
+    """Paged caches at d160-d256 are read by the narrow tile, whose kLogits instance splits the keys (a decode against a
+    long cache would otherwise get one CTA per K/V head); whole, it keeps its kAll instance."""
+    q = torch.randn(1, 1, 8, 256, dtype=BF16)
+    k_cache, v_cache = (torch.randn(4, 256, 2, 256, dtype=BF16) for _ in range(2))
+    table, lens = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32), torch.tensor([1000], dtype=torch.int32)
+    plans = []
+    for splits in (0, 4):
+        launch_overrides(record=True, num_splits=splits)
+        fa2.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table)
+        plans.append(next(launch["plan"] for kind, launch in reversed(recording.calls) if kind == "fwd"))
+    assert [(p["tile"], p["transforms"], p["num_splits"]) for p in plans] == [("narrow", "all", 1),
+                                                                              ("narrow", "logits", 4)]
+
+
 def test_the_forward_starts_early_only_where_its_code_waits(recording):
     """Programmatic dependent launch (csrc/common/pdl.h): the forward behind a KV append and the combine behind the
     splits start early where the device code is sm90's, which waits for the kernel ahead; sm80 code has no wait, so

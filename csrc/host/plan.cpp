@@ -51,10 +51,10 @@ ScoreTransforms main_transforms(const FwdParams& p) {
 }
 
 // Split-KV's count (sm80/config.h: fwd_num_splits), or the test override's, or the caller's. Only the kLogits
-// instances split, so a call with dropout, or one that takes the narrow tile (short d256 sequences, d224/d256 on
-// 99 KB GPUs), runs whole, override or not. In record mode no call is split unless the override says so.
+// instances split, so a call with dropout runs whole, override or not. In record mode no call is split unless the
+// override says so.
 int num_splits(const FwdParams& p, const FwdPlan& plan, int requested, const DeviceInfo& device) {
-  if (p.rng_state != nullptr || plan.tile == FwdTile::kNarrow) return 1;
+  if (p.rng_state != nullptr) return 1;
   const int override_splits = g_overrides.num_splits.load(std::memory_order_relaxed);
   const int forced = override_splits > 0 ? override_splits : requested;
   if (forced > 0) return forced;
@@ -209,8 +209,10 @@ FwdPlan plan_forward(FwdParams& p, DType dtype, int head_dim, int requested_spli
                            device.smem_limit, plan.paged);
   plan.shape = fwd_tile_shape(plan.tile, plan.head_dim);
   p.num_splits = plan.num_splits = num_splits(p, plan, requested_splits, device);
-  // The narrow tile has the kAll instance and the decode tile the kLogits one; the main tile the smallest that covers.
-  plan.transforms = plan.tile == FwdTile::kNarrow   ? ScoreTransforms::kAll
+  // The narrow tile runs its kAll instance whole and its kLogits one split, the decode tile the kLogits one; the main
+  // tile the smallest that covers.
+  plan.transforms = plan.tile == FwdTile::kNarrow   ? (plan.num_splits > 1 ? ScoreTransforms::kLogits
+                                                                           : ScoreTransforms::kAll)
                     : plan.tile == FwdTile::kDecode ? ScoreTransforms::kLogits
                                                     : main_transforms(p);
   const int resident = device.sm_count * fwd_ctas_per_sm(plan.shape.warps);

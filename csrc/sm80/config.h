@@ -85,8 +85,8 @@ constexpr int fwd_smem_bytes(FwdTileShape t, int head_dim) {
 
 // Which tile a forward of a compiled head dim runs: the one rule, which the host's launch plan (host/plan.cpp) applies
 // once and the launch (fwd_launch.h) executes. seqlen_q is the launch's (after GQA packing; a varlen batch's longest).
-// The narrow tile has one instance, with every transform and without split-KV (fwd_kernel.h), so the plan splits no
-// call that runs it; the decode tile has the kLogits instance only, so a call with dropout keeps the main tile. Each
+// The narrow tile runs a whole call on its kAll instance and a split one on its kLogits instance (fwd_kernel.h); the
+// decode tile has the kLogits instance only, so a call with dropout keeps the main tile. Each
 // tile runs only where it fits the shared memory a block may use; both 64-row tiles fit 99 KB at every head dim that
 // has them. A paged call never has dropout (fa2.attention_with_kvcache).
 constexpr FwdTile fwd_tile_for(int head_dim, int seqlen_q, int seqlen_k, bool causal, bool dropout, int smem_limit,
@@ -111,8 +111,9 @@ constexpr FwdTileShape fwd_tile_shape(FwdTile tile, int head_dim) {
 
 // Split-KV (fwd_combine.h), for forwards whose CTAs cannot fill the GPU, as decoding's (a query row or a few per
 // sequence against a long KV cache): each query block's key blocks are divided among `splits` CTAs and a combine
-// kernel merges their partial results. Only the kLogits instances (main and decode tiles) split (fwd_kernel.h):
-// calls with dropout, and calls that take the narrow tile, run whole. The count minimises the modelled time, waves x
+// kernel merges their partial results. Only the kLogits instances (of every tile) split (fwd_kernel.h): calls with
+// dropout run whole. The narrow tile's kLogits instance exists for its split calls alone (a paged decode at d160-d256
+// ran 8-9x the unpaged one's time at 1 x 16k without it: docs/tuning.md#paged-kv). The count minimises the modelled time, waves x
 // (key blocks per split + kSplitFixedBlocks, a CTA's Q load and epilogue in key blocks' worth), the fewest splits on
 // a tie; each split keeps at least kMinSplitKeyBlocks, and the grid's batch x splits stays within CUDA's 65535.
 // ctas: the forward's CTAs without splits; slots: CTAs resident at once.
