@@ -10,8 +10,8 @@ configurations of consumer GPUs (csrc/sm80/config.h), padded and packed: d256's 
 The last two cases are split (split-KV, fwd_combine.h). Last, the cases again with a sliding window (blocks skipped
 on both sides, rows that see no key), softcap, ALiBi, dropout and sinks; --features runs only those, then once more
 on 99 KB configurations. First, KV-cache calls (fa2.attention_with_kvcache), paged and not, with index values out of
-range. Before them, the Hopper forward (csrc/sm90/), padded and packed, where the build and GPU have it; --hopper runs
-only that.
+range (--kvcache stops after them). Before them, the Hopper forward (csrc/sm90/), padded and packed, where the build
+and GPU have it; --hopper runs only that.
 """
 import sys
 
@@ -158,6 +158,8 @@ run_hopper()
 if "--hopper" in sys.argv:
     sys.exit(0)
 run_kvcache()
+if "--kvcache" in sys.argv:
+    sys.exit(0)
 if not features_only:
     run_cases(CASES, VARLEN[:1] if quick else VARLEN, dtypes)
     fa2._C.set_test_overrides(smem_limit=99 * 1024)  # test-only (csrc/CONTRACT.md)
