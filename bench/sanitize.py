@@ -90,7 +90,7 @@ def run_kvcache():
     """fa2.attention_with_kvcache: appends (plain and rotary) and decodes against entries picked by cache_batch_idx
     and against pages (every head dim with pages, so both 64-row tiles), then index values out of range, which the
     kernels must clamp to the tensors (sanitizer: no access outside them)."""
-    for d in (64, 128, 224, 256):
+    for d in (64, 128, 160, 224, 256):
         if d not in fa2.build_info()["fwd_head_dims"]:
             continue
         for paged in (False, True):

@@ -25,7 +25,8 @@ CASES = [
     (2, 1, 1000, 8, 2, 128, True, (-1, -1), 0.0, False, None),     # GQA decode: packed
     (1, 1, 777, 4, 4, 64, False, (-1, -1), 0.0, False, None),      # MHA decode
     (3, 7, 513, 8, 1, 96, True, (-1, -1), 0.0, False, None),       # a chunk against the cache, MQA
-    (2, 1, 1300, 8, 2, 256, False, (-1, -1), 50.0, False, None),   # softcap, packed (past d256's narrow tile)
+    (2, 1, 1300, 8, 2, 256, False, (-1, -1), 50.0, False, None),   # softcap, packed: d256's narrow tile decodes
+    (1, 1, 3000, 8, 2, 160, True, (-1, -1), 0.0, True, None),      # d160's narrow tile decodes, with a sink
     (1, 1, 2000, 8, 2, 128, True, (256, 0), 30.0, True, "h"),      # a windowed gpt-oss/Gemma decode: not packed
     (2, 200, 1200, 4, 2, 64, True, (300, 0), 0.0, True, "bh"),     # many rows, rows that see no key of a split
 ]
@@ -216,12 +217,12 @@ def test_a_forced_split_count_reaches_the_launch_unless_it_has_dropout(recording
 
 
 def test_a_forced_split_count_splits_the_narrow_tile_on_its_logits_instance(recording, require_kernel):
-    """A d256 decode against 1000 keys runs the narrow tile (config.h: fwd_tile_for), split on its kLogits instance;
-    1100 keys run the main tile, which splits too."""
+    """A d256 decode runs the narrow tile (config.h: fwd_tile_for), split on its kLogits instance, against a short
+    cache or a long one; 65 query rows against 1100 keys run the main tile, which splits too."""
     require_kernel("fwd", 256, torch.bfloat16)
     ops._C.set_test_overrides(record=True, num_splits=7)
-    for seqlen_k, tile in [(1000, "narrow"), (1100, "main")]:
-        q = torch.randn(1, 1, 8, 256, dtype=torch.bfloat16)
+    for seqlen_q, seqlen_k, tile in [(1, 1000, "narrow"), (1, 1100, "narrow"), (65, 1100, "main")]:
+        q = torch.randn(1, seqlen_q, 8, 256, dtype=torch.bfloat16)
         k, v = (torch.randn(1, seqlen_k, 2, 256, dtype=torch.bfloat16) for _ in range(2))
         launch = _recorded_fwd(recording, q, k, v)
         assert (launch["num_splits"], launch["plan"]["transforms"], launch["plan"]["tile"]) == (7, "logits", tile)

@@ -21,14 +21,16 @@ CASES = [
     (3, 1, 1, 8, 2, 128, 1000, True, (-1, -1), 0.0, False, None),     # GQA decode step: packed, split
     (2, 1, 0, 4, 4, 64, 512, False, (-1, -1), 0.0, False, None),      # attend only, nothing appended
     (2, 6, 6, 8, 1, 96, 640, True, (-1, -1), 0.0, False, None),       # a chunk of prompt appended, MQA, causal
-    (2, 1, 2, 8, 2, 256, 768, True, (-1, -1), 0.0, False, None),      # d256: the narrow tile (its kAll instance)
+    (2, 1, 2, 8, 2, 256, 768, True, (-1, -1), 0.0, False, None),      # d256: the narrow tile
+    (2, 1, 1, 8, 2, 160, 1500, True, (-1, -1), 0.0, False, None),     # d160: paged on its own narrow tile, split
+    (2, 3, 2, 4, 2, 160, 700, True, (200, 0), 20.0, True, None),      # d160 with a window, softcap and a sink
     (2, 1, 1, 8, 2, 128, 2048, True, (300, 0), 30.0, True, None),     # windowed softcapped decode with a sink
     (1, 70, 70, 4, 2, 64, 320, True, (-1, -1), 0.0, False, "bh"),     # past the decode tile: the main tile
 ]
 CASE_IDS = ["b{}_q{}_new{}_h{}kv{}_d{}_cap{}_c{:d}_w{}_{}_cap{}_sink{:d}_alibi{}".format(*c[:8], *c[8], *c[9:])
             for c in CASES]
 LAYOUTS = ["entries", "batch_idx", "paged64", "paged256"]
-PAGED_HEAD_DIMS = (64, 128, 224, 256)  # the head dims with a 64-row forward tile (config.h: fwd_reads_pages)
+PAGED_HEAD_DIMS = (64, 128, 160, 224, 256)  # the head dims with a 64-row forward tile (config.h: fwd_reads_pages)
 
 
 def _paged_kernel(d):

@@ -70,9 +70,10 @@ def test_a_paged_cache_is_read_by_the_decode_tile(recording):
     assert plan["paged"] and plan["tile"] == "decode"
 
 
-def test_a_paged_decode_at_d256_splits_on_the_narrow_tile(recording, launch_overrides):
-    """Paged caches at d160-d256 are read by the narrow tile, whose kLogits instance splits the keys (a decode against a
-    long cache would otherwise get one CTA per K/V head); whole, it keeps its kAll instance."""
+def test_a_paged_decode_at_d256_splits_on_the_narrow_tile(recording, launch_overrides, require_kernel):
+    """Paged caches at d160-d256 are read by the narrow tile's kLogits instance, whole or with the keys split (a decode
+    against a long cache would otherwise get one CTA per K/V head); the kAll instance has no page code."""
+    require_kernel("fwd", 256, BF16)
     q = torch.randn(1, 1, 8, 256, dtype=BF16)
     k_cache, v_cache = (torch.randn(4, 256, 2, 256, dtype=BF16) for _ in range(2))
     table, lens = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32), torch.tensor([1000], dtype=torch.int32)
@@ -81,8 +82,29 @@ def test_a_paged_decode_at_d256_splits_on_the_narrow_tile(recording, launch_over
         launch_overrides(record=True, num_splits=splits)
         fa2.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table)
         plans.append(next(launch["plan"] for kind, launch in reversed(recording.calls) if kind == "fwd"))
-    assert [(p["tile"], p["transforms"], p["num_splits"]) for p in plans] == [("narrow", "all", 1),
+    assert [(p["tile"], p["transforms"], p["num_splits"]) for p in plans] == [("narrow", "logits", 1),
                                                                               ("narrow", "logits", 4)]
+
+
+def test_a_paged_cache_at_d160_is_read_by_its_own_narrow_tile(recording):
+    """d160's narrow tile (its kLogits instance) reads paged caches and runs decodes, paged or not; more query rows
+    than it holds keep the main tile."""
+    if 160 not in fa2.build_info()["fwd_head_dims"]:
+        pytest.skip("this build has no d160 forward (FA2_HEAD_DIMS)")
+    q = torch.randn(1, 1, 8, 160, dtype=BF16)
+    k_cache, v_cache = (torch.randn(4, 256, 2, 160, dtype=BF16) for _ in range(2))
+    lens = torch.tensor([1000], dtype=torch.int32)
+    plans = []
+    for where in (dict(block_table=torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)), {}):
+        kv = (k_cache, v_cache) if where else (k_cache.reshape(1, 1024, 2, 160), v_cache.reshape(1, 1024, 2, 160))
+        fa2.attention_with_kvcache(q, *kv, cache_seqlens=lens, **where)
+        plans.append(next(launch["plan"] for kind, launch in reversed(recording.calls) if kind == "fwd"))
+    q = torch.randn(1, 65, 8, 160, dtype=BF16)
+    fa2.attention_with_kvcache(q, *kv, cache_seqlens=lens)
+    plans.append(next(launch["plan"] for kind, launch in reversed(recording.calls) if kind == "fwd"))
+    assert [(p["head_dim"], p["tile"], p["transforms"], p["paged"]) for p in plans[:2]] == [
+        (160, "narrow", "logits", True), (160, "narrow", "logits", False)]
+    assert (plans[2]["head_dim"], plans[2]["tile"]) == (160, "main")
 
 
 def test_the_forward_starts_early_only_where_its_code_waits(recording):

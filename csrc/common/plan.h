@@ -12,14 +12,14 @@ namespace fa2 {
 // Hopper kernels (wgmma, TMA, warp specialization; sm_90a code), on compute capability 9.0 for what they serve.
 enum class Family { kSm80, kSm90 };
 
-// The forward's tiles (sm80/config.h): the main one, FA2's narrow 64 x 64 one (short d256 sequences, 99 KB GPUs,
-// paged caches at d224/d256), and the decode one (at most 64 query rows, paged caches at d64/d128).
+// The forward's tiles (sm80/config.h): the main one, FA2's narrow 64 x 64 one (short d256 sequences, 99 KB GPUs;
+// decodes and paged caches at d160/d224/d256), and the decode one (decodes and paged caches at d64/d128).
 enum class FwdTile { kMain, kNarrow, kDecode };
 
 // The per-score transforms a forward instance compiles in; the plan picks the smallest that covers the call
 // (docs/tuning.md#features-off). A window's left edge goes with them (kNone masks causal's and seqlen_k's edges only),
-// and split-KV with kLogits alone (a call with dropout is never split). The narrow tile has the kAll instance only and
-// the decode tile the kLogits one, so a call on those tiles runs that instance.
+// and split-KV with kLogits alone (a call with dropout is never split). The 64-row tiles have the kLogits instance, and
+// the narrow one at d224/d256 the kAll one for calls with dropout.
 enum class ScoreTransforms {
   kNone,
   kLogits,  // softcap, ALiBi, a left edge, split-KV

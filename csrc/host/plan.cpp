@@ -209,10 +209,10 @@ FwdPlan plan_forward(FwdParams& p, DType dtype, int head_dim, int requested_spli
                            device.smem_limit, plan.paged);
   plan.shape = fwd_tile_shape(plan.tile, plan.head_dim);
   p.num_splits = plan.num_splits = num_splits(p, plan, requested_splits, device);
-  // The narrow tile runs its kAll instance whole and its kLogits one split, the decode tile the kLogits one; the main
-  // tile the smallest that covers.
-  plan.transforms = plan.tile == FwdTile::kNarrow   ? (plan.num_splits > 1 ? ScoreTransforms::kLogits
-                                                                           : ScoreTransforms::kAll)
+  // The 64-row tiles run their kLogits instance, the narrow one its kAll instance for a call with dropout
+  // (sm80/config.h: fwd_narrow_runs_all; never split); the main tile the smallest that covers.
+  plan.transforms = plan.tile == FwdTile::kNarrow   ? (p.rng_state != nullptr ? ScoreTransforms::kAll
+                                                                              : ScoreTransforms::kLogits)
                     : plan.tile == FwdTile::kDecode ? ScoreTransforms::kLogits
                                                     : main_transforms(p);
   const int resident = device.sm_count * fwd_ctas_per_sm(plan.shape.warps);

@@ -45,8 +45,13 @@ template <int kHeadDim> constexpr bool kFwdUnrollStages = kHeadDim == 64;
 // - short sequences at d256 (max(seqlen_q, seqlen_k) up to fwd_narrow_max_seqlen), where the 8-warp tile's one CTA per
 //   SM leaves its Q load, barriers and epilogue exposed; past the thresholds the wide tile is at least as fast;
 // - any sequence where the main tile needs more shared memory than a block may use: d224 and d256 on 99 KB GPUs (the
-//   other head dims' main tiles fit).
-constexpr bool fwd_has_narrow_tile(int head_dim) { return head_dim == 224 || head_dim == 256; }
+//   other head dims' main tiles fit);
+// - decodes (at most 64 query rows after GQA packing, no dropout) and paged KV caches at d160, d224 and d256, the
+//   decode tile's role at the wide head dims (d192 pads to d224 where paged; its own decodes keep the main tile).
+// Its kLogits instance runs every call but those with dropout, which only d224 and d256 bring it (the first two
+// cases), on their kAll instance: fwd_narrow_runs_all.
+constexpr bool fwd_has_narrow_tile(int head_dim) { return head_dim == 160 || head_dim == 224 || head_dim == 256; }
+constexpr bool fwd_narrow_runs_all(int head_dim) { return head_dim == 224 || head_dim == 256; }
 constexpr FwdTileShape kFwdNarrowTile = {64, 64, 4, 1};
 constexpr int fwd_narrow_max_seqlen(int head_dim, bool causal) { return head_dim != 256 ? 0 : causal ? 2048 : 1024; }
 
@@ -58,10 +63,11 @@ constexpr int fwd_narrow_max_seqlen(int head_dim, bool causal) { return head_dim
 constexpr bool fwd_has_decode_tile(int head_dim) { return head_dim == 64 || head_dim == 128; }
 constexpr FwdTileShape kFwdDecodeTile = {64, 64, 4, 2};
 
-// A paged KV cache (params.h: KvCache) is read by the 64-row tiles alone, the decode and narrow ones: their instances
-// carry the page lookups, and the main tile's kLogits loop, which softcap, ALiBi and windows run, is kept free of them
-// (any runtime generality in that loop has cost it time: docs/tuning.md#paged-kv). Page sizes are multiples of
-// kPageRows, so that a key block lies in one page (fwd_launch.h asserts every kBlockN divides it).
+// A paged KV cache (params.h: KvCache) is read by the 64-row tiles alone, the decode and narrow ones: their kLogits
+// instances carry the page lookups (every paged call runs one), and the main tile's kLogits loop, which softcap, ALiBi
+// and windows run, is kept free of them (any runtime generality in that loop has cost it time:
+// docs/tuning.md#paged-kv). Page sizes are multiples of kPageRows, so that a key block lies in one page (fwd_launch.h
+// asserts every kBlockN divides it).
 constexpr int kPagedTileRows = 64, kPageRows = 64;
 constexpr bool fwd_reads_pages(int head_dim) { return fwd_has_decode_tile(head_dim) || fwd_has_narrow_tile(head_dim); }
 
@@ -85,15 +91,14 @@ constexpr int fwd_smem_bytes(FwdTileShape t, int head_dim) {
 
 // Which tile a forward of a compiled head dim runs: the one rule, which the host's launch plan (host/plan.cpp) applies
 // once and the launch (fwd_launch.h) executes. seqlen_q is the launch's (after GQA packing; a varlen batch's longest).
-// The narrow tile runs a whole call on its kAll instance and a split one on its kLogits instance (fwd_kernel.h); the
-// decode tile has the kLogits instance only, so a call with dropout keeps the main tile. Each
-// tile runs only where it fits the shared memory a block may use; both 64-row tiles fit 99 KB at every head dim that
-// has them. A paged call never has dropout (fa2.attention_with_kvcache).
+// The decode tile has the kLogits instance only, so a call with dropout keeps the main tile; so does the narrow tile
+// but at d224 and d256 (above). Each tile runs only where it fits the shared memory a block may use; both 64-row tiles
+// fit 99 KB at every head dim that has them. A paged call never has dropout (fa2.attention_with_kvcache).
 constexpr FwdTile fwd_tile_for(int head_dim, int seqlen_q, int seqlen_k, bool causal, bool dropout, int smem_limit,
                                bool paged) {
   if (paged) return fwd_has_decode_tile(head_dim) ? FwdTile::kDecode : FwdTile::kNarrow;
   const int seqlen = seqlen_q > seqlen_k ? seqlen_q : seqlen_k;
-  if (fwd_has_narrow_tile(head_dim) && (seqlen <= fwd_narrow_max_seqlen(head_dim, causal) ||
+  if (fwd_narrow_runs_all(head_dim) && (seqlen <= fwd_narrow_max_seqlen(head_dim, causal) ||
                                         fwd_smem_bytes(fwd_main_tile(head_dim), head_dim) > smem_limit)) {
     return FwdTile::kNarrow;
   }
@@ -101,6 +106,7 @@ constexpr FwdTile fwd_tile_for(int head_dim, int seqlen_q, int seqlen_k, bool ca
       fwd_smem_bytes(kFwdDecodeTile, head_dim) <= smem_limit) {
     return FwdTile::kDecode;
   }
+  if (fwd_has_narrow_tile(head_dim) && !dropout && seqlen_q <= kFwdNarrowTile.block_m) return FwdTile::kNarrow;
   return FwdTile::kMain;
 }
 constexpr FwdTileShape fwd_tile_shape(FwdTile tile, int head_dim) {
@@ -112,10 +118,10 @@ constexpr FwdTileShape fwd_tile_shape(FwdTile tile, int head_dim) {
 // Split-KV (fwd_combine.h), for forwards whose CTAs cannot fill the GPU, as decoding's (a query row or a few per
 // sequence against a long KV cache): each query block's key blocks are divided among `splits` CTAs and a combine
 // kernel merges their partial results. Only the kLogits instances (of every tile) split (fwd_kernel.h): calls with
-// dropout run whole. The narrow tile's kLogits instance exists for its split calls alone (a paged decode at d160-d256
-// ran 8-9x the unpaged one's time at 1 x 16k without it: docs/tuning.md#paged-kv). The count minimises the modelled time, waves x
-// (key blocks per split + kSplitFixedBlocks, a CTA's Q load and epilogue in key blocks' worth), the fewest splits on
-// a tie; each split keeps at least kMinSplitKeyBlocks, and the grid's batch x splits stays within CUDA's 65535.
+// dropout run whole (a paged decode at d160-d256 ran 8-9x the unpaged one's time at 1 x 16k while the narrow tile's
+// one instance was kAll: docs/tuning.md#paged-kv). The count minimises the modelled time, waves x (key blocks per
+// split + kSplitFixedBlocks, a CTA's Q load and epilogue in key blocks' worth), the fewest splits on a tie; each
+// split keeps at least kMinSplitKeyBlocks, and the grid's batch x splits stays within CUDA's 65535.
 // ctas: the forward's CTAs without splits; slots: CTAs resident at once.
 //                                                                           docs/tuning.md#split-kv
 constexpr int kMinSplitKeyBlocks = 4, kSplitFixedBlocks = 2;  // kMaxSplits: params.h

@@ -186,8 +186,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   const auto k_block_step = stride<3>(tKgK), v_block_step = stride<3>(tVgV);
   // A paged KV cache: a key block's rows lie in one page (page sizes are multiples of kPageRows), at its PageCursor's
   // offset from page 0's rows, where mK and mV start; the running tiles step from one block's page to the next one's.
-  // Only in the 64-row tiles' instances, which the launch routes paged calls to (config.h: fwd_tile_for).
-  constexpr bool kPagedKV = kBlockM == kPagedTileRows && kTransforms != ScoreTransforms::kNone;
+  // Only in the 64-row tiles' kLogits instances, which the launch plan routes every paged call to (config.h:
+  // fwd_tile_for; a paged call has no dropout).
+  constexpr bool kPagedKV = kBlockM == kPagedTileRows && kTransforms == ScoreTransforms::kLogits;
   const bool paged = kPagedKV && p.cache.block_table != nullptr;
   // The page of the block the K tile reads next; V's steps with it where both load together (two stages), and has a
   // cursor of its own in the one-stage loop, where V runs a block behind.

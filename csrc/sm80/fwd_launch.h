@@ -50,17 +50,20 @@ void launch_fwd(const FwdParams& params, bool pdl, cudaStream_t stream) {
 }
 
 // The instances: the main tile has one per set of transforms (fwd_kernel.h); the narrow tile (short d256 sequences,
-// 99 KB GPUs, paged caches at d160-d256) runs whole calls with its kAll instance, to keep the build smaller, and split
-// ones (a decode against a long cache) with its kLogits one; the decode tile (at most 64 query rows) has the kLogits
-// instance: split-KV and the transforms decoding uses. host/plan.cpp plans only these.
+// 99 KB GPUs, decodes and paged caches at d160-d256) runs calls with dropout on its kAll instance (d224, d256 only)
+// and every other on its kLogits one; the decode tile (at most 64 query rows, d64 and d128) has the kLogits instance:
+// split-KV and the transforms decoding uses. host/plan.cpp plans only these.
 template <int kHeadDim, DType kDType>
 void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   using Main = FwdTraitsOf<kHeadDim, FwdTile::kMain, kDType>;
   if (p.num_splits != plan.num_splits) throw std::logic_error("fa2: the params' splits are not the plan's");
   if constexpr (fwd_has_narrow_tile(kHeadDim)) {
     using Narrow = FwdTraitsOf<kHeadDim, FwdTile::kNarrow, kDType>;
-    if (plan.tile == FwdTile::kNarrow && plan.transforms == ScoreTransforms::kAll && plan.num_splits == 1) {
-      return launch_fwd<Narrow, ScoreTransforms::kAll>(p, plan.pdl, stream);
+    if constexpr (fwd_narrow_runs_all(kHeadDim)) {
+      if (plan.tile == FwdTile::kNarrow && plan.transforms == ScoreTransforms::kAll && plan.num_splits == 1 &&
+          !plan.paged) {
+        return launch_fwd<Narrow, ScoreTransforms::kAll>(p, plan.pdl, stream);
+      }
     }
     if (plan.tile == FwdTile::kNarrow && plan.transforms == ScoreTransforms::kLogits) {
       return launch_fwd<Narrow, ScoreTransforms::kLogits>(p, plan.pdl, stream);
