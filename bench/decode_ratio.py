@@ -32,6 +32,8 @@ def main():
     common.require_gpu("decode_ratio.py")
     fa2 = common.load(None)
     base, other = common.csv_list(a.impls, allowed=bench.KVCACHE_IMPLS, name="--impls")
+    meta = dict(device=common.device_name(), date=common.now(), mode="decode", dtype="bf16", causal=False, seqlen=1,
+                nheads=32, nheads_k=8)
     shapes = [(d, b, sk) for d in common.csv_list(a.hdims, int) for b in common.csv_list(a.batches, int)
               for sk in common.csv_list(a.seqlens_k, int)]
     for d, b, sk in shapes:
@@ -47,7 +49,7 @@ def main():
         g = {i: statistics.median(x) for i, x in gpu.items()}
         h = {i: statistics.median(x) for i, x in host.items()}
         ratios = [o / s for o, s in zip(gpu[other], gpu[base])]
-        print(json.dumps(dict(hdim=d, batch=b, seqlen_k=sk, gpu_us={i: round(x, 3) for i, x in g.items()},
+        print(json.dumps(dict(**meta, hdim=d, batch=b, seqlen_k=sk, gpu_us={i: round(x, 3) for i, x in g.items()},
                               gpu_ratio=round(g[other] / g[base], 4),
                               gpu_ratio_range=[round(min(ratios), 4), round(max(ratios), 4)],
                               host_us={i: round(x, 2) for i, x in h.items()},
