@@ -27,6 +27,7 @@ CASES = [
     (3, 7, 513, 8, 1, 96, True, (-1, -1), 0.0, False, None),       # a chunk against the cache, MQA
     (2, 1, 1300, 8, 2, 256, False, (-1, -1), 50.0, False, None),   # softcap, packed: d256's narrow tile decodes
     (1, 1, 3000, 8, 2, 160, True, (-1, -1), 0.0, True, None),      # d160's narrow tile decodes, with a sink
+    (2, 1, 2500, 8, 2, 192, False, (-1, -1), 0.0, False, "h"),     # d192's, with ALiBi (not packed)
     (1, 1, 2000, 8, 2, 128, True, (256, 0), 30.0, True, "h"),      # a windowed gpt-oss/Gemma decode: not packed
     (2, 200, 1200, 4, 2, 64, True, (300, 0), 0.0, True, "bh"),     # many rows, rows that see no key of a split
 ]

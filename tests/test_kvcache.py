@@ -30,7 +30,7 @@ CASES = [
 CASE_IDS = ["b{}_q{}_new{}_h{}kv{}_d{}_cap{}_c{:d}_w{}_{}_cap{}_sink{:d}_alibi{}".format(*c[:8], *c[8], *c[9:])
             for c in CASES]
 LAYOUTS = ["entries", "batch_idx", "paged64", "paged256"]
-PAGED_HEAD_DIMS = (64, 128, 160, 224, 256)  # the head dims with a 64-row forward tile (config.h: fwd_reads_pages)
+PAGED_HEAD_DIMS = (64, 128, 160, 192, 224, 256)  # the head dims with a 64-row forward tile (config.h: fwd_reads_pages)
 
 
 def _paged_kernel(d):

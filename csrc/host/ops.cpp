@@ -202,7 +202,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache,
     kernel_dim = pick_paged_head_dim(kernel_dim, dtype);
     if (kernel_dim == 0) {
       value_error("a paged KV cache (block_table) at head_dim " + std::to_string(q.size(-1)) + " runs on a forward "
-                  "kernel that reads pages (head dim 64, 128, 160, 224 or 256) at or above it, and this build has none: "
+                  "kernel that reads pages (head dim 64, 128 or 160-256) at or above it, and this build has none: "
                   "rebuild with FA2_HEAD_DIMS including one, or use a cache with one entry per sequence "
                   "(cache_batch_idx picks them)");
     }

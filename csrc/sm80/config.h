@@ -46,11 +46,11 @@ template <int kHeadDim> constexpr bool kFwdUnrollStages = kHeadDim == 64;
 //   SM leaves its Q load, barriers and epilogue exposed; past the thresholds the wide tile is at least as fast;
 // - any sequence where the main tile needs more shared memory than a block may use: d224 and d256 on 99 KB GPUs (the
 //   other head dims' main tiles fit);
-// - decodes (at most 64 query rows after GQA packing, no dropout) and paged KV caches at d160, d224 and d256, the
-//   decode tile's role at the wide head dims (d192 pads to d224 where paged; its own decodes keep the main tile).
+// - decodes (at most 64 query rows after GQA packing, no dropout) and paged KV caches at d160-d256, the decode tile's
+//   role at the wide head dims.
 // Its kLogits instance runs every call but those with dropout, which only d224 and d256 bring it (the first two
 // cases), on their kAll instance: fwd_narrow_runs_all.
-constexpr bool fwd_has_narrow_tile(int head_dim) { return head_dim == 160 || head_dim == 224 || head_dim == 256; }
+constexpr bool fwd_has_narrow_tile(int head_dim) { return head_dim == 160 || head_dim == 192 || head_dim >= 224; }
 constexpr bool fwd_narrow_runs_all(int head_dim) { return head_dim == 224 || head_dim == 256; }
 constexpr FwdTileShape kFwdNarrowTile = {64, 64, 4, 1};
 constexpr int fwd_narrow_max_seqlen(int head_dim, bool causal) { return head_dim != 256 ? 0 : causal ? 2048 : 1024; }
