@@ -529,12 +529,12 @@ def kvcache_fn(impl, fa2, q, k, v):
                                                   rotary_sin=sin)
     page = 256
     pages = -(-sk // page)
-    if impl == "fa2_paged_in_order" and sk % page == 0:
+    if impl == "fa2_paged_in_order":
+        if sk % page:
+            raise SystemExit(f"fa2_paged_in_order needs seqlen_k a multiple of {page} (got {sk})")
         table = torch.arange(b * pages, device="cuda", dtype=torch.int32).view(b, pages)
         k_pages, v_pages = (t.view(b * pages, page, *t.shape[2:]) for t in (k, v))
         return lambda: fa2.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, block_table=table)
-    if impl == "fa2_paged_in_order":
-        raise SystemExit(f"fa2_paged_in_order needs seqlen_k a multiple of {page} (got {sk})")
     table = torch.randperm(b * pages, device="cuda").view(b, pages).int()
     k_pages, v_pages = (torch.zeros(b * pages, page, *t.shape[2:], device="cuda", dtype=t.dtype) for t in (k, v))
     rows = torch.arange(sk, device="cuda")
