@@ -505,9 +505,10 @@ def decode_fn(impl, fa2, q, k, v):
 
 
 # fa2.attention_with_kvcache over the same keys: the cache as one entry per sequence, as 256-row pages in shuffled
-# order, or with the step's seqlen_q rows appended first (its last rows, rewritten in place on every call), plain or
-# with a rotary embedding of the whole head (q and the new keys rotated in the append's launch).
-KVCACHE_IMPLS = ("fa2_kvcache", "fa2_paged", "fa2_append", "fa2_rotary")
+# order, as 256-row pages in order (the unpaged cache's own memory, so its time over fa2_kvcache is the page code's
+# cost alone), or with the step's seqlen_q rows appended first (its last rows, rewritten in place on every call), plain
+# or with a rotary embedding of the whole head (q and the new keys rotated in the append's launch).
+KVCACHE_IMPLS = ("fa2_kvcache", "fa2_paged", "fa2_paged_in_order", "fa2_append", "fa2_rotary")
 
 
 def kvcache_fn(impl, fa2, q, k, v):
@@ -528,6 +529,12 @@ def kvcache_fn(impl, fa2, q, k, v):
                                                   rotary_sin=sin)
     page = 256
     pages = -(-sk // page)
+    if impl == "fa2_paged_in_order":
+        if sk % page:
+            raise SystemExit(f"fa2_paged_in_order needs seqlen_k a multiple of {page} (got {sk})")
+        table = torch.arange(b * pages, device="cuda", dtype=torch.int32).view(b, pages)
+        k_pages, v_pages = (t.view(b * pages, page, *t.shape[2:]) for t in (k, v))
+        return lambda: fa2.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, block_table=table)
     table = torch.randperm(b * pages, device="cuda").view(b, pages).int()
     k_pages, v_pages = (torch.zeros(b * pages, page, *t.shape[2:], device="cuda", dtype=t.dtype) for t in (k, v))
     rows = torch.arange(sk, device="cuda")
@@ -946,8 +953,9 @@ def parser():
     p.add_argument("--impls", default="fa2,sdpa_flash,sdpa_cudnn",
                    help="comma list of fa2, " + ", ".join(KVCACHE_IMPLS + SDPA_IMPLS) + " (fa2_kvcache: "
                         "fa2.attention_with_kvcache on the same cache; fa2_paged: the cache in shuffled 256-row pages; "
-                        "fa2_append: appending the step's rows first; fa2_rotary: the same with a rotary "
-                        "embedding, q and the new keys rotated in the append)")
+                        "fa2_paged_in_order: in order, the same memory as fa2_kvcache; fa2_append: appending the "
+                        "step's rows first; fa2_rotary: the same with a rotary embedding, q and the new keys rotated "
+                        "in the append)")
     p.add_argument("--timers", action="store_true",
                    help="also each call's host wall time (back-to-back calls) and its kernels' GPU time alone (CUDA-graph "
                         "replay), beside do_bench's: a decode step is host-bound at small batches, and served from a "

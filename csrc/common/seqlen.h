@@ -46,6 +46,11 @@ struct PageCursor {
   __device__ __forceinline__ int64_t offset(Strides const& st) const {
     return page * st.batch + int64_t(block * kBlockN) * st.row;
   }
+  // Elements from cursor `from`'s block to this one's, one block down (block_step: a block's rows): within a page
+  // that is an unpaged cache's step, and the 64-bit offsets are computed only where the page changes, once a page.
+  __device__ __forceinline__ int64_t step_from(PageCursor const& from, Strides const& st, int64_t block_step) const {
+    return index == from.index ? -block_step : offset(st) - from.offset(st);
+  }
   __device__ __forceinline__ void step_down(KvCache const& c, int batch) {
     if (block > 0) {
       --block;

@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                        Page const& to, auto const& tXsX, int stage, int max_row) {
     copy_tile<decltype(check_rows)::value>(gmem_copy, tXgXn, make_tensor(tXsX.data() + stage * kKVElems, tXsX.layout()),
                                            tKcK, max_row, p.head_dim);
-    tXgXn.data() = tXgXn.data() + (paged ? to.offset(st) - from.offset(st) : -block_step);
+    tXgXn.data() = tXgXn.data() + (paged ? to.step_from(from, st, block_step) : -block_step);
   };
   constexpr std::true_type kCut{};      // the block seqlen_k may cut
   constexpr std::false_type kWhole{};   // any other block
