@@ -34,13 +34,28 @@ struct PageCursor {
   int index = 0, block = 0, page = 0, next_page = 0;
 
   PageCursor() = default;
-  __device__ __forceinline__ PageCursor(KvCache const& c, int batch, int n_block)
+  // At block n_block. `lanes`: row_lanes()'s value, whose shuffle serves the first lookups when the row is short.
+  __device__ __forceinline__ PageCursor(KvCache const& c, int batch, int n_block, int lanes)
       : index(n_block / blocks_per_page(c)), block(n_block - index * blocks_per_page(c)),
-        page(read(c, batch, index)), next_page(read(c, batch, index - 1)) {}
+        page(read(c, batch, index, lanes)), next_page(read(c, batch, index - 1, lanes)) {}
 
   static __device__ __forceinline__ int blocks_per_page(KvCache const& c) { return c.page_size / kBlockN; }
+  // Entry `lane` of sequence `batch`'s table row (0 past the row's end), read where the kernel starts, beside
+  // cache_seqlens: the cursor's first lookup, whose index waits for the sequence's length, then takes a shuffle
+  // instead of a dependent global read (docs/tuning.md#paged-kv).
+  static __device__ __forceinline__ int row_lanes(KvCache const& c, int batch) {
+    const int lane = int(threadIdx.x) % 32;
+    return int64_t(lane) * c.page_size < c.capacity ? c.block_table[int64_t(batch) * c.block_table_stride + lane] : 0;
+  }
+  static __device__ __forceinline__ int read(KvCache const& c, int batch, int i, int lanes) {
+    const int near = __shfl_sync(0xffffffffu, lanes, i & 31);  // i is the same in every lane
+    return i < 0 ? 0 : min(max(i < 32 ? near : global(c, batch, i), 0), c.cache_batch - 1);
+  }
   static __device__ __forceinline__ int read(KvCache const& c, int batch, int i) {
-    return i < 0 ? 0 : min(max(c.block_table[int64_t(batch) * c.block_table_stride + i], 0), c.cache_batch - 1);
+    return i < 0 ? 0 : min(max(global(c, batch, i), 0), c.cache_batch - 1);
+  }
+  static __device__ __forceinline__ int global(KvCache const& c, int batch, int i) {
+    return c.block_table[int64_t(batch) * c.block_table_stride + i];
   }
   // The current block's first row, in elements of a cache tensor with strides st (head 0).
   __device__ __forceinline__ int64_t offset(Strides const& st) const {

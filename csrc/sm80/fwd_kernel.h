@@ -50,6 +50,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   const int tid = threadIdx.x;
   const int row_offset = m_block * kBlockM;
   const SeqInfo seq(p, batch, head);
+  // A paged cache (below): the table row's first entries, one a lane, in flight beside cache_seqlens.
+  constexpr bool kPagedKV = kBlockM == kPagedTileRows && kTransforms == ScoreTransforms::kLogits;
+  const bool paged = kPagedKV && p.cache.block_table != nullptr;
+  const int row_lanes = paged ? PageCursor<kBlockN>::row_lanes(p.cache, batch) : 0;
   // Launched early behind the KV append (common/pdl.h): nothing above reads what the append writes (q_rotated, the
   // cache's new rows). The split-KV combine may then launch (it waits for this grid in turn).
   wait_for_previous_kernel();
@@ -188,21 +192,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   // offset from page 0's rows, where mK and mV start; the running tiles step from one block's page to the next one's.
   // Only in the 64-row tiles' kLogits instances, which the launch plan routes every paged call to (config.h:
   // fwd_tile_for; a paged call has no dropout).
-  constexpr bool kPagedKV = kBlockM == kPagedTileRows && kTransforms == ScoreTransforms::kLogits;
-  const bool paged = kPagedKV && p.cache.block_table != nullptr;
   // The page of the block the K tile reads next; V's steps with it where both load together (two stages), and has a
   // cursor of its own in the one-stage loop, where V runs a block behind.
   using Page = PageCursor<kBlockN>;
   Page k_page, v_page;
   if (paged) {
-    k_page = v_page = Page(p.cache, batch, max(n_block_end - 1, 0));
+    k_page = v_page = Page(p.cache, batch, max(n_block_end - 1, 0), row_lanes);
     tKgKn.data() = tKgK(_, _, _, 0).data() + k_page.offset(p.k_stride);
     tVgVn.data() = tVgV(_, _, _, 0).data() + v_page.offset(p.v_stride);
   }
-  // A cursor moved from block n to n - 1 (paged, n > 0); returns where it was.
+  // A cursor moved from block n to n - 1 where that block is loaded next (paged); returns where it was. Not past
+  // the last block: that step could cross a page and wait on the table for a block no load reads.
   auto step_page = [&](Page& cursor, int n) {
     const Page from = cursor;
-    if (paged && n > 0) cursor.step_down(p.cache, batch);
+    if (paged && n > n_block_begin) cursor.step_down(p.cache, batch);
     return from;
   };
   // Block n of K or V into buffer `stage`, rows >= max_row zero-filled (only where kCheckRows); then the source tile
