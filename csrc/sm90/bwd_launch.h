@@ -29,7 +29,6 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   if (plan.family != Family::kSm90 || plan.head_dim != kHeadDim || p.head_dim != kHeadDim ||
       plan.shape.block_m != Traits::kBlockM ||  // ops.cpp sizes the deterministic semaphores with it
       p.cu_seqlens_q != nullptr || p.deterministic != (p.dq_semaphore != nullptr) || p.rng_state != nullptr ||
-      (Traits::kWide && p.deterministic) ||
       p.softcap_in > 0.f ||
       p.alibi_slopes != nullptr || p.window_left >= 0 || p.window_right > 0 ||
       int64_t(p.batch) * p.nheads * p.seqlen_q > INT32_MAX ||
@@ -90,7 +89,7 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   const int n_blocks = ceil_div_host(p.seqlen_k, Traits::kBlockN);
   k.n_blocks = n_blocks;
   // The plain order only (head_group 0, as full attention has): the tickets then start a head's key blocks together.
-  // The wide path (d256, bwd_mma_wide.h) walks in order and is never deterministic (config.h: bwd_serves).
+  // The wide path (d256, bwd_mma_wide.h) walks in order: its turns are in key-block order.
   k.dq_rotate = !Traits::kWide && p.dq_semaphore != nullptr && !k.causal && p.head_group == 0 &&
                 2 * n_blocks <= device_sm_count();
 

@@ -25,9 +25,9 @@ __device__ __forceinline__ auto half_slice(T&& t) {
   return logical_divide(t, Shape<Underscore, _2>{})(_, make_coord(Int<kH>{}, _), _);
 }
 
-// The MMA warpgroups' named barrier (the narrow tile's dQ staging barriers are not in use here). With one P and one
+// The MMA warpgroups' named barrier (ids 1-4 are dQ's staging, bwd_dq_stage.h). With one P and one
 // dS buffer it separates, per query block: the previous block's last readers (dV^T, dQ, dK^T) from the P writes, the P
-// writes from dV^T's reads (each warpgroup's dV^T reads all 80 keys), the dS writes from dQ's and dK^T's reads.
+// writes from dV^T's reads (each warpgroup's dV^T reads all 64 keys), the dS writes from dQ's and dK^T's reads.
 constexpr int kPdSBarrier = 0;
 
 template <class Traits>

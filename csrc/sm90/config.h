@@ -83,13 +83,11 @@ constexpr int bwd_smem_bytes(BwdTileShape t) {
 }
 
 // What the backward of this family computes so far: padded batches, any lengths, MHA/GQA/MQA (dK and dV per query
-// head, as the mma.sync backward writes them), full or causal attention, deterministic or not (d256: not; its dQ
-// adds come from the MMA warps, which take no turns), at the compiled head dims exactly. Varlen, windows, softcap,
-// ALiBi, dropout and d256's deterministic mode run on the mma.sync family, by the plan.
+// head, as the mma.sync backward writes them), full or causal attention, deterministic or not, at the compiled head
+// dims exactly. Varlen, windows, softcap, ALiBi and dropout run on the mma.sync family, by the plan.
 constexpr bool bwd_serves(int head_dim, bool varlen, int window_left, int window_right, bool softcap, bool alibi,
                           bool dropout, bool deterministic) {
-  return bwd_has_tile(head_dim) && !varlen && window_left < 0 && window_right <= 0 && !softcap && !alibi && !dropout &&
-         !(deterministic && head_dim == 256);
+  return bwd_has_tile(head_dim) && !varlen && window_left < 0 && window_right <= 0 && !softcap && !alibi && !dropout;
 }
 
 }  // namespace fa2::sm90
