@@ -173,7 +173,7 @@ def test_hopper_deterministic_backward_is_bitwise_repeatable(d, b, sq, sk, h, hk
     (bwd_kernel.h), for their own head's, all resident together. Full attention rotates where 2 x key blocks <= SMs:
     every shape here but d64_256x9000 (71 key blocks, key-block order on H100/H200); 300x1000: 8 key blocks over 3
     query blocks (N > M, N mod M = 2); 961 = 12 x 80 + 1 rows: a last query block of one row at d128's 80-row tile;
-    d256 walks in order (bwd_mma_wide.h), its turns in key-block order."""
+    d256: bwd_mma_wide.h's walk, rotated too."""
     require_kernel("bwd", d, torch.bfloat16)
     launch_overrides(family="sm90")
     q = randn(b, sq, h, d)

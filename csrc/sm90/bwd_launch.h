@@ -89,8 +89,7 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   const int n_blocks = ceil_div_host(p.seqlen_k, Traits::kBlockN);
   k.n_blocks = n_blocks;
   // The plain order only (head_group 0, as full attention has): the tickets then start a head's key blocks together.
-  // The wide path (d256, bwd_mma_wide.h) walks in order: its turns are in key-block order.
-  k.dq_rotate = !Traits::kWide && p.dq_semaphore != nullptr && !k.causal && p.head_group == 0 &&
+  k.dq_rotate = p.dq_semaphore != nullptr && !k.causal && p.head_group == 0 &&
                 2 * n_blocks <= device_sm_count();
 
   constexpr int smem = Traits::kSmemSize;

@@ -33,7 +33,7 @@ constexpr int kPdSBarrier = 0;
 template <class Traits>
 __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, typename Traits::SharedStorage& shared,
                                              typename Traits::Pipeline& q_pipe, typename Traits::PipelinedO& do_pipe,
-                                             int n_block, int head, int batch, int m_begin, int m_end) {
+                                             int n_block, int head, int batch, int m_begin, int m_end, int m_first) {
   using Element = typename Traits::Element;
   using M = typename Traits::M;
   using N = typename Traits::N;
@@ -97,7 +97,8 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
     shared.kv_full.wait(0);
     typename Traits::PipelineState stage;
     typename Traits::PipelineStatedO do_stage;
-    for (int m = m_begin; m < m_end; ++m, ++stage, ++do_stage) {
+    // The walk of bwd_kernel.h's BwdWork: from m_first, wrapping from m_end to m_begin (the producer's order).
+    for (int i = 0, m = m_first; i < m_end - m_begin; ++i, m = m + 1 == m_end ? m_begin : m + 1, ++stage, ++do_stage) {
       const int s = stage.index(), query0 = m * kBlockM, key0 = n_block * kBlockN;
       // S = Q K^T and dP = dO V^T, both in flight; P's exp2 overlaps dP's GEMM.
       Tensor tSrS = partition_fragment_C(mma_sdp, Shape<M, N>{});
