@@ -1,7 +1,7 @@
 // Host-only checks of the d256 Hopper backward's index mappings (csrc/sm90/bwd_mma_wide.h), on fa2's own traits:
-// the transposed shared-memory views, the head-dim halves, dQ's staging per half as the writer's TMA reads it, the dK/dV
-// epilogue's lane swap and the stmatrix of P and dS (emulated from the copy atom's thread/value layouts). Nothing here
-// runs a kernel.
+// the transposed shared-memory views, the head-dim halves, dQ's staging per half as the writer's TMA reads it, the
+// dK/dV epilogue's lane swap and the stmatrix of P and dS (emulated from the copy atom's thread/value layouts).
+// Nothing here runs a kernel.
 //   CUT=$(python -c "import cutlass_library,os;print(os.path.dirname(cutlass_library.__file__)+'/source/include')")
 //   nvcc -std=c++17 -I$CUT -Icsrc --expt-relaxed-constexpr -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED -arch=sm_90a \
 //     -o /tmp/bwd_wide_maps bench/bwd_wide_maps.cu

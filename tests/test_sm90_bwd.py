@@ -162,9 +162,11 @@ def test_the_backward_family_that_runs_is_the_one_planned(launch_overrides, requ
 @pytest.mark.parametrize("d,b,sq,sk,h,hk", [(128, 2, 1000, 1000, 4, 2), (64, 2, 1023, 2048, 4, 4),
                                              (128, 2, 2048, 1023, 2, 1), (128, 4, 2048, 2048, 16, 16),
                                              (64, 2, 300, 1000, 2, 2), (64, 1, 256, 9000, 2, 2),
-                                             (128, 2, 961, 1000, 4, 4), (256, 2, 1000, 1100, 4, 2)],
+                                             (128, 2, 961, 1000, 4, 4), (256, 2, 1000, 1100, 4, 2),
+                                             (256, 1, 128, 4500, 2, 2)],
                          ids=["d128_1000x1000_gqa", "d64_1023x2048", "d128_2048x1023_mqa", "d128_2048_b4h16_waves",
-                              "d64_300x1000_rem", "d64_256x9000_keyorder", "d128_961x1000_tail", "d256_1000x1100_gqa"])
+                              "d64_300x1000_rem", "d64_256x9000_keyorder", "d128_961x1000_tail", "d256_1000x1100_gqa",
+                              "d256_128x4500_keyorder"])
 def test_hopper_deterministic_backward_is_bitwise_repeatable(d, b, sq, sk, h, hk, causal, launch_overrides,
                                                             require_kernel):
     """deterministic=True on the Hopper backward: the key blocks add their dQ shares in turn, so three runs agree bit
@@ -173,7 +175,7 @@ def test_hopper_deterministic_backward_is_bitwise_repeatable(d, b, sq, sk, h, hk
     (bwd_kernel.h), for their own head's, all resident together. Full attention rotates where 2 x key blocks <= SMs:
     every shape here but d64_256x9000 (71 key blocks, key-block order on H100/H200); 300x1000: 8 key blocks over 3
     query blocks (N > M, N mod M = 2); 961 = 12 x 80 + 1 rows: a last query block of one row at d128's 80-row tile;
-    d256: bwd_mma_wide.h's walk, rotated too."""
+    d256: bwd_mma_wide.h's walk, rotated too (128x4500: 71 key blocks, key-block order)."""
     require_kernel("bwd", d, torch.bfloat16)
     launch_overrides(family="sm90")
     q = randn(b, sq, h, d)

@@ -1,6 +1,6 @@
-// dQ's staging in the Hopper backward (bwd_kernel.h; bwd_mma_wide.h per 128-column half): an MMA thread's share of a
-// query block's dQ, from its accumulator into the fp32 staging tile, row-major (query, column) under the 128-byte swizzle, which the dQ
-// writer's TMA reduce-add reads (bwd_traits.h: SmemLayoutdQ, the warpgroups' slabs). Host and device, so that
+// dQ's staging in the Hopper backward (bwd_kernel.h; bwd_mma_wide.h per 128-column half): an MMA thread's share
+// of a query block's dQ, from its accumulator into the fp32 staging tile, row-major (query, column) under the
+// 128-byte swizzle, which the dQ writer's TMA reduce-add reads (bwd_traits.h: SmemLayoutdQ, the warpgroups' slabs). Host and device, so that
 // bench/dq_swap_maps.cu checks this code's addresses and bank conflicts.               docs/tuning.md#sm90-backward
 #pragma once
 
@@ -17,8 +17,8 @@ using namespace cute;
 constexpr int kdQEmpty = 1, kdQFull = 1 + kBwdMmaWarpgroups;
 constexpr int kdQThreads = kWarpgroupThreads + 32;
 
-// Called once per query block; the addresses do not depend on the block, and the compiler keeps them from the first
-// (a base register per row parity and column group, the rest immediate offsets).
+// Called once per query block (the wide tile: per half); the addresses do not depend on the block, and the compiler
+// keeps them from the first (a base register per row parity and column group, the rest immediate offsets).
 template <class Traits, class Frag>
 CUTE_HOST_DEVICE void stage_dq(typename Traits::TiledMmadQ const& mma, int tid, Frag const& tdQrdQ, float* smem) {
   if constexpr (!Traits::kdQSwapAB) {

@@ -5,8 +5,8 @@
 // block that sees those keys through TMA rings; warpgroups 1 and 2 own 64 keys each, keep dK and dV in registers for
 // the whole stream, and stage each query block's dQ share in shared memory, which warp 1 of warpgroup 0 adds into the
 // fp32 dq_accum by TMA reduce-add. The next tile's first Q and dO land while this one ends, and its K and V once this
-// one's last GEMM that reads them retired. d256 keeps the prologue and the producer; its MMA warpgroups are
-// bwd_mma_wide.h's.
+// one's last GEMM that reads them retired. d256 keeps the prologue, the producer and the writer (which takes its
+// dQ per 128-column half); its MMA warpgroups are bwd_mma_wide.h's.
 //                                                                                      docs/tuning.md#sm90-backward
 //
 // Names: g* global tiles, s* shared (s*t: the transposed view of the same bytes), t*r* register fragments partitioned

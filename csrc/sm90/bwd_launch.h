@@ -66,12 +66,12 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   k.stats_total = int32_t(stats_total);
   // dq_accum, row-major fp32 (rows, head dim, heads, batch), as the mma.sync family's preprocess and convert lay it
   // out; the dQ writer adds its slabs into it.
-  Tensor mdQ = make_tensor(make_gmem_ptr(p.dq_accum), make_shape(p.seqlen_q, int32_t(kHeadDim), p.nheads, int32_t(p.batch)),
+  Tensor mdQ = make_tensor(make_gmem_ptr(p.dq_accum),
+                           make_shape(p.seqlen_q, int32_t(kHeadDim), p.nheads, int32_t(p.batch)),
                            make_stride(int64_t(kHeadDim), _1{}, int64_t(p.seqlen_q) * kHeadDim,
                                        int64_t(p.nheads) * p.seqlen_q * kHeadDim));
   k.tma_dq =
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, mdQ, typename Traits::SmemLayoutdQSlab{}, typename Traits::dQSlab{}, _1{});
-  k.dq_accum = p.dq_accum;
   k.dk = p.dk, k.dv = p.dv, k.dkv_fp32 = p.dkv_fp32;
   k.dk_row_stride = p.dk_stride.row, k.dk_head_stride = p.dk_stride.head, k.dk_batch_stride = p.dk_stride.batch;
   k.dv_row_stride = p.dv_stride.row, k.dv_head_stride = p.dv_stride.head, k.dv_batch_stride = p.dv_stride.batch;

@@ -25,9 +25,9 @@ __device__ __forceinline__ auto half_slice(T&& t) {
   return logical_divide(t, Shape<Underscore, _2>{})(_, make_coord(Int<kH>{}, _), _);
 }
 
-// The MMA warpgroups' named barrier (ids 1-4 are dQ's staging, bwd_dq_stage.h). With one P and one
-// dS buffer it separates, per query block: the previous block's last readers (dV^T, dQ, dK^T) from the P writes, the P
-// writes from dV^T's reads (each warpgroup's dV^T reads all 64 keys), the dS writes from dQ's and dK^T's reads.
+// The MMA warpgroups' named barrier (ids 1-4 are dQ's staging, bwd_dq_stage.h). With one P and one dS stage it
+// separates, per query block: the previous block's last readers (dV^T, dQ, dK^T) from the P writes, the P writes from
+// dV^T's reads (each warpgroup's dV^T reads all 64 keys), the dS writes from dQ's and dK^T's reads.
 constexpr int kPdSBarrier = 0;
 
 template <class Traits>
@@ -148,7 +148,7 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
       }
       Tensor rP = make_tensor<Element>(tSrS.layout());
       convert(tSrS, rP);
-      // P -> sP once both warpgroups' readers of the previous block (dV^T of sP; dQ and dK^T of sdS) have retired:
+      // P -> sdS[1] once both warpgroups' readers of the previous block (dV^T of P; dQ and dK^T of dS) have retired:
       // each waited for all its GEMMs before releasing Q.
       cutlass::arch::NamedBarrier::sync(Traits::kMmaThreads, kPdSBarrier);
       copy(r2s, thr_r2s.retile_S(rP), tPsP);

@@ -155,7 +155,8 @@ struct BwdTraits {
   // columns [64w, 64w + 64) of the GEMM's, is the first or second half.
   using dQSlab = Shape<M, Int<kdQCols / kBwdMmaWarpgroups>>;
   using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<M, Int<kdQCols>>{}));
-  using SmemLayoutdQt = decltype(composition(SmemLayoutdQ{}, make_layout(Shape<Int<kdQCols>, M>{}, Stride<M, _1>{})));  // dQ^T's
+  using SmemLayoutdQt =  // dQ^T's
+      decltype(composition(SmemLayoutdQ{}, make_layout(Shape<Int<kdQCols>, M>{}, Stride<M, _1>{})));
   using SmemLayoutdQSlab = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, dQSlab{}));
   using TmadQ = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{},
                                        make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), ShapeQKV{},
@@ -202,8 +203,7 @@ struct BwdKernelParams {
   typename Traits::TmaK tma_k;
   typename Traits::TmaV tma_v;
   typename Traits::TmaStats tma_lse, tma_d;  // over lse and d_sum, flat
-  typename Traits::TmadQ tma_dq;             // reduce-add into dq_accum
-  float* dq_accum;
+  typename Traits::TmadQ tma_dq;             // reduce-add into dq_accum (the writer's)
   typename Traits::ShapeQKV shape_q, shape_k;  // (seqlen, head dim, heads, batch); shape_k's heads are nheads_k
   int32_t stats_total;  // batch * nheads * seqlen_q: lse's and d_sum's length (lse: natural log, -inf: no key seen;
                         // d_sum: D = rowsum(dO * O), which the preprocess writes)

@@ -42,8 +42,8 @@ constexpr bool fwd_serves(int head_dim, int seqlen_q, bool kvcache, int /*window
 
 // The backward (bwd_kernel.h; docs/tuning.md#sm90-backward). A CTA per (key block, head, batch), or a persistent CTA
 // per SM taking such tiles in turn (bwd_persistent): a producer warpgroup (TMA: K and V once a tile, Q (two stages)
-// and dO with lse and D per query block; at d64 and d128 a dQ writer warp) and two MMA warpgroups, which walk the
-// query blocks that see their keys.
+// and dO with lse and D per query block; a dQ writer warp) and two MMA warpgroups, which walk the query blocks that
+// see their keys.
 // d64 and d128: 64 keys per warpgroup: S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory, dV += P^T dO and
 // dK += dS^T Q with P^T and dS^T from registers, dQ = dS K with dS through shared memory, staged in shared memory and
 // added into the fp32 dq_accum by the writer's TMA reduce-add. Two dO stages. d128: 80 queries x 128 keys for full
