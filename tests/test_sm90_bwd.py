@@ -1,6 +1,6 @@
 """The Hopper backward (csrc/sm90/bwd_*.h; docs/tuning.md#sm90-backward): asked for, it computes dq, dk and dv of
 every call it serves (padded batches at d64, d128 and d256, full or causal, MHA/GQA/MQA, lengths that are not multiples
-of its tiles: 128 x 128 at d64, 80 x 128 (full) and 64 x 128 (causal) at d128, 64 x 80 at d256) within the fp64
+of its tiles: 128 x 128 at d64, 80 x 128 (full) and 64 x 128 (causal) at d128, 64 x 64 at d256) within the fp64
 reference rule, and the plan sends everything else to the
 mma.sync backward. Every build with the Hopper family has it (a build without arch 90 runs these tests on the mma.sync
 backward); the kernel names of a profile say which family ran. CPU (record mode): the plan's family."""
@@ -101,7 +101,7 @@ def test_a_persistent_cta_computes_every_tile_it_draws(d, b, sq, sk, h, hk, caus
     d256 keep a CTA per tile (a 3-D grid): the same check on that path over several waves."""
     require_kernel("bwd", d, torch.bfloat16)
     launch_overrides(family="sm90")
-    block_n = 80 if d == 256 else 128
+    block_n = 64 if d == 256 else 128  # config.h: bwd_tile
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert -(-sk // block_n) * h * b > 2 * sms, "the case must span several waves"
     q = randn(b, sq, h, d)
@@ -162,9 +162,11 @@ def test_the_backward_family_that_runs_is_the_one_planned(launch_overrides, requ
 @pytest.mark.parametrize("d,b,sq,sk,h,hk", [(128, 2, 1000, 1000, 4, 2), (64, 2, 1023, 2048, 4, 4),
                                              (128, 2, 2048, 1023, 2, 1), (128, 4, 2048, 2048, 16, 16),
                                              (64, 2, 300, 1000, 2, 2), (64, 1, 256, 9000, 2, 2),
-                                             (128, 2, 961, 1000, 4, 4)],
+                                             (128, 2, 961, 1000, 4, 4), (256, 2, 1000, 1100, 4, 2),
+                                             (256, 1, 128, 4500, 2, 2)],
                          ids=["d128_1000x1000_gqa", "d64_1023x2048", "d128_2048x1023_mqa", "d128_2048_b4h16_waves",
-                              "d64_300x1000_rem", "d64_256x9000_keyorder", "d128_961x1000_tail"])
+                              "d64_300x1000_rem", "d64_256x9000_keyorder", "d128_961x1000_tail", "d256_1000x1100_gqa",
+                              "d256_128x4500_keyorder"])
 def test_hopper_deterministic_backward_is_bitwise_repeatable(d, b, sq, sk, h, hk, causal, launch_overrides,
                                                             require_kernel):
     """deterministic=True on the Hopper backward: the key blocks add their dQ shares in turn, so three runs agree bit
@@ -172,7 +174,8 @@ def test_hopper_deterministic_backward_is_bitwise_repeatable(d, b, sq, sk, h, hk
     CTAs, several waves on any GPU: CTAs wait for others that started before them or, full attention's rotated walks
     (bwd_kernel.h), for their own head's, all resident together. Full attention rotates where 2 x key blocks <= SMs:
     every shape here but d64_256x9000 (71 key blocks, key-block order on H100/H200); 300x1000: 8 key blocks over 3
-    query blocks (N > M, N mod M = 2); 961 = 12 x 80 + 1 rows: a last query block of one row at d128's 80-row tile."""
+    query blocks (N > M, N mod M = 2); 961 = 12 x 80 + 1 rows: a last query block of one row at d128's 80-row tile;
+    d256: bwd_mma_wide.h's walk, rotated too (128x4500: 71 key blocks, key-block order)."""
     require_kernel("bwd", d, torch.bfloat16)
     launch_overrides(family="sm90")
     q = randn(b, sq, h, d)
@@ -185,7 +188,7 @@ def test_hopper_deterministic_backward_is_bitwise_repeatable(d, b, sq, sk, h, hk
             assert torch.equal(a, b), f"{name} differs between two deterministic runs"
     check_grads(runs[0], q, k, v, dout, causal, f"sm90 deterministic d{d} {sq}x{sk} h{h}/{hk} causal={causal}")
     names = bwd_kernel_names(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=True))
-    assert any("sm90" in n for n in names) == hopper_bwd_expected(), names
+    assert any("sm90" in n for n in names) == hopper_bwd_expected(d), names
 
 
 @pytest.mark.parametrize("options,served", [
@@ -198,8 +201,7 @@ def test_hopper_deterministic_backward_is_bitwise_repeatable(d, b, sq, sk, h, hk
 def test_the_plan_sends_the_hopper_backward_only_what_it_serves(options, served, d, hk, launch_overrides, recording,
                                                                 require_kernel):
     """CPU: with the Hopper family asked for, a backward runs on it only where the build has it and it
-    serves the call (d64, d128 and d256, padded, full or causal, no score transform; d256 not deterministic, whose
-    dQ adds come from the MMA warps in no fixed order)."""
+    serves the call (d64, d128 and d256, padded, full or causal, deterministic or not, no score transform)."""
     require_kernel("bwd", d, torch.bfloat16)
     built = sm90_bwd_built(d)
     launch_overrides(record=True, family="sm90")
@@ -208,11 +210,10 @@ def test_the_plan_sends_the_hopper_backward_only_what_it_serves(options, served,
     fa2.bwd(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.zeros(1, 4, 256), **options)
     kind, launch = recording.calls[-1]
     assert kind == "bwd"
-    served = served and not (d == 256 and options.get("deterministic"))  # sm90/config.h: bwd_serves
     expected = "sm90" if built and served and d in (64, 128, 256) else "sm80"  # sm90/config.h: bwd_has_tile
     assert launch["plan"]["family"] == expected, (options, launch["plan"])
     if expected == "sm90":
-        tiles = {64: (128, 128), 128: (64 if options.get("causal") else 80, 128), 256: (64, 80)}  # config.h: bwd_tile
+        tiles = {64: (128, 128), 128: (64 if options.get("causal") else 80, 128), 256: (64, 64)}  # config.h: bwd_tile
         assert launch["plan"]["shape"][1:3] == tiles[d], launch["plan"]
         # Causal: heaviest key blocks first within head groups (record mode plans groups of 1); else the grid order.
         assert launch["plan"]["head_group"] == (1 if options.get("causal") else 0), launch["plan"]

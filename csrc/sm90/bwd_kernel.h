@@ -5,8 +5,8 @@
 // block that sees those keys through TMA rings; warpgroups 1 and 2 own 64 keys each, keep dK and dV in registers for
 // the whole stream, and stage each query block's dQ share in shared memory, which warp 1 of warpgroup 0 adds into the
 // fp32 dq_accum by TMA reduce-add. The next tile's first Q and dO land while this one ends, and its K and V once this
-// one's last GEMM that reads them retired. d256 keeps the prologue and the producer; its MMA warpgroups are
-// bwd_mma_wide.h's.
+// one's last GEMM that reads them retired. d256 keeps the prologue, the producer and the writer (which takes its
+// dQ per 128-column half); its MMA warpgroups are bwd_mma_wide.h's.
 //                                                                                      docs/tuning.md#sm90-backward
 //
 // Names: g* global tiles, s* shared (s*t: the transposed view of the same bytes), t*r* register fragments partitioned
@@ -41,10 +41,6 @@ __device__ __forceinline__ auto rowcol_t(Layout const& l) {
 // The MMA warpgroups' named barrier: dS complete in shared memory (each warpgroup wrote its 64 keys; dQ = dS K reads
 // all of them). Id 0 past CUTLASS's reserved ones.
 constexpr int kdSBarrier = 0;
-// dQ's staging slab of MMA warpgroup w (ids + w): empty (the writer's reduce has read it; the MMA warpgroup waits) and
-// full (the MMA warpgroup wrote it; the writer waits). 128 MMA threads and the writer warp's 32 each.
-constexpr int kdQEmpty = 1, kdQFull = 1 + kBwdMmaWarpgroups;
-constexpr int kdQThreads = kWarpgroupThreads + 32;
 
 // An operand of dQ's GEMM, as its A or its B: dS is A and K^T B, or the other way round where the traits swap the GEMM
 // (dQ^T = K^T dS^T).
@@ -125,13 +121,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   const int warpgroup = cutlass::canonical_warp_group_idx();
   constexpr bool kPersistent = Traits::kPersistent;
   const int num_tiles = p.n_blocks * p.nheads * p.batch;
-  constexpr int kTileReaders = Traits::kMmaThreads + (Traits::kWide ? 0 : 32);  // + the dQ writer warp
+  constexpr int kTileReaders = Traits::kMmaThreads + 32;  // + the dQ writer warp
   if (warp == 0 && cute::elect_one_sync()) {
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
-    if constexpr (!Traits::kWide) cute::prefetch_tma_descriptor(p.tma_dq.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_dq.get_tma_descriptor());
     shared.kv_full.init(1);
     shared.kv_empty.init(Traits::kMmaThreads);
     shared.tiles.init(kTileReaders);
@@ -191,12 +187,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
                       168 * kBwdThreads,
                   "setmaxnreg's pool");
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (!Traits::kWide && warp == 1) {
+    if (warp == 1) {
       // ---------------------------------------------------------------------------------------- dQ writer
-      // Each query block's dQ share, staged by the MMA warpgroups, reduced into dq_accum by TMA (two boxes per
-      // slab; rows past seqlen_q are clipped), so the MMA warps issue no atomics. One lane issues and waits: bulk
-      // groups are per-thread state.
+      // Each query block's dQ share (wide: each 128-column half of it), staged by the MMA warpgroups, reduced into
+      // dq_accum by TMA (two boxes per slab; rows past seqlen_q are clipped), so the MMA warps issue no atomics. One
+      // lane issues and waits: bulk groups are per-thread state.
       const bool leader = cute::elect_one_sync();
+      constexpr int kHalves = kHeadDim / Traits::kdQCols;
       // A slab is free again once its reduce has read it. The MMA warpgroup's first wait is met by its own arrive, so
       // the writer's arrivals after a tile's last block wait for the next tile with blocks: none is left half-arrived
       // at exit.
@@ -211,8 +208,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
           cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty);
           cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + 1);
         }
-        Tensor mdQ = p.tma_dq.get_tma_tensor(p.shape_q)(_, _, w.head, w.batch);              // (rows, d)
-        Tensor gdQ = local_tile(mdQ, typename Traits::dQSlab{}, make_coord(_, _));           // (M, d/2, m, w)
+        Tensor mdQ = p.tma_dq.get_tma_tensor(p.shape_q)(_, _, w.head, w.batch);      // (rows, d)
+        Tensor gdQ = local_tile(mdQ, typename Traits::dQSlab{}, make_coord(_, _));  // (M, 64, m, slab)
         // Deterministic: the adds into a query block's dQ in a fixed order (wait_for_turn), so the sums round the
         // same every run. The semaphores are (query block, batch, head): the heads polling at once sit on different
         // lines.
@@ -228,24 +225,29 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
           }
           __syncwarp();
           CUTE_UNROLL
-          for (int wg = 0; wg < kBwdMmaWarpgroups; ++wg) {
-            Tensor sdQw = make_tensor(make_smem_ptr(shared.dq.data() + wg * cosize(typename Traits::SmemLayoutdQSlab{})),
-                                      typename Traits::SmemLayoutdQSlab{});
-            auto [tdQg, tdQs] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQw),
-                                              group_modes<0, 2>(gdQ(_, _, m, wg)));
-            cutlass::arch::NamedBarrier::sync(kdQThreads, kdQFull + wg);
-            if (leader) {
-              copy(p.tma_dq, tdQs, tdQg);
-              tma_store_arrive();
+          for (int h = 0; h < kHalves; ++h) {
+            const bool last = i + 1 == m_count && h + 1 == kHalves;
+            CUTE_UNROLL
+            for (int wg = 0; wg < kBwdMmaWarpgroups; ++wg) {
+              Tensor sdQw = make_tensor(
+                  make_smem_ptr(shared.dq.data() + wg * cosize(typename Traits::SmemLayoutdQSlab{})),
+                  typename Traits::SmemLayoutdQSlab{});
+              auto [tdQg, tdQs] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQw),
+                                                group_modes<0, 2>(gdQ(_, _, m, h * kBwdMmaWarpgroups + wg)));
+              cutlass::arch::NamedBarrier::sync(kdQThreads, kdQFull + wg);
+              if (leader) {
+                copy(p.tma_dq, tdQs, tdQg);
+                tma_store_arrive();
+              }
+              __syncwarp();  // converged again before the next bar.sync
             }
-            __syncwarp();  // converged again before the next bar.sync
+            if (leader) tma_store_wait<1>();
+            __syncwarp();
+            if (!last) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty);
+            if (leader) tma_store_wait<0>();
+            __syncwarp();
+            if (!last) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + 1);
           }
-          if (leader) tma_store_wait<1>();
-          __syncwarp();
-          if (i + 1 < m_count) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty);
-          if (leader) tma_store_wait<0>();
-          __syncwarp();
-          if (i + 1 < m_count) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + 1);
           if (semaphore && leader) pass_turn(semaphore + m * semaphore_stride);
           __syncwarp();
         }
@@ -334,7 +336,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     // One tile per CTA: bwd_mma_wide's rings start afresh and it never frees K and V for a next tile.
     static_assert(!kPersistent, "config.h: bwd_persistent");
     const BwdWork w = work_of(first_tile);
-    bwd_mma_wide<Traits>(p, shared, q_pipe, do_pipe, w.n_block, w.head, w.batch, w.m_begin, w.m_end);
+    bwd_mma_wide<Traits>(p, shared, q_pipe, do_pipe, w.n_block, w.head, w.batch, w.m_begin, w.m_end, w.m_first);
   } else {
     const int tid = threadIdx.x - kWarpgroupThreads;
     typename Traits::TiledMmaSdP mma_sdp;
@@ -468,10 +470,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         warpgroup_fence_operand(tdQrdQ);
         // This key block's share of dQ to the writer warp, while dK's GEMM runs: into the slab once the writer's
         // previous reduce has read it, then made visible to TMA (the async proxy).
-        cutlass::arch::NamedBarrier::sync(kdQThreads, kdQEmpty + mma_warpgroup);
-        stage_dq<Traits>(mma_dq, tid, tdQrdQ, shared.dq.data());
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQFull + mma_warpgroup);
+        hand_dq_to_writer<Traits>(mma_dq, tid, tdQrdQ, shared.dq.data(), mma_warpgroup);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdKrdK);
         q_pipe.consumer_release(stage);  // dK's GEMM, Q's last reader, retired

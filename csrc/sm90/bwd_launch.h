@@ -29,7 +29,6 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   if (plan.family != Family::kSm90 || plan.head_dim != kHeadDim || p.head_dim != kHeadDim ||
       plan.shape.block_m != Traits::kBlockM ||  // ops.cpp sizes the deterministic semaphores with it
       p.cu_seqlens_q != nullptr || p.deterministic != (p.dq_semaphore != nullptr) || p.rng_state != nullptr ||
-      (Traits::kWide && p.deterministic) ||
       p.softcap_in > 0.f ||
       p.alibi_slopes != nullptr || p.window_left >= 0 || p.window_right > 0 ||
       int64_t(p.batch) * p.nheads * p.seqlen_q > INT32_MAX ||
@@ -66,16 +65,13 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   k.tma_d = make_tma_copy(SM90_TMA_LOAD{}, flat(p.d_sum), Layout<MStats>{}, MStats{}, _1{});
   k.stats_total = int32_t(stats_total);
   // dq_accum, row-major fp32 (rows, head dim, heads, batch), as the mma.sync family's preprocess and convert lay it
-  // out; the wide tile adds into it from registers.
-  if constexpr (!Traits::kWide) {
-    Tensor mdQ = make_tensor(make_gmem_ptr(p.dq_accum),
-                             make_shape(p.seqlen_q, int32_t(kHeadDim), p.nheads, int32_t(p.batch)),
-                             make_stride(int64_t(kHeadDim), _1{}, int64_t(p.seqlen_q) * kHeadDim,
-                                         int64_t(p.nheads) * p.seqlen_q * kHeadDim));
-    k.tma_dq = make_tma_copy(SM90_TMA_REDUCE_ADD{}, mdQ, typename Traits::SmemLayoutdQSlab{},
-                             typename Traits::dQSlab{}, _1{});
-  }
-  k.dq_accum = p.dq_accum;
+  // out; the dQ writer adds its slabs into it.
+  Tensor mdQ = make_tensor(make_gmem_ptr(p.dq_accum),
+                           make_shape(p.seqlen_q, int32_t(kHeadDim), p.nheads, int32_t(p.batch)),
+                           make_stride(int64_t(kHeadDim), _1{}, int64_t(p.seqlen_q) * kHeadDim,
+                                       int64_t(p.nheads) * p.seqlen_q * kHeadDim));
+  k.tma_dq =
+      make_tma_copy(SM90_TMA_REDUCE_ADD{}, mdQ, typename Traits::SmemLayoutdQSlab{}, typename Traits::dQSlab{}, _1{});
   k.dk = p.dk, k.dv = p.dv, k.dkv_fp32 = p.dkv_fp32;
   k.dk_row_stride = p.dk_stride.row, k.dk_head_stride = p.dk_stride.head, k.dk_batch_stride = p.dk_stride.batch;
   k.dv_row_stride = p.dv_stride.row, k.dv_head_stride = p.dv_stride.head, k.dv_batch_stride = p.dv_stride.batch;
@@ -93,8 +89,7 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   const int n_blocks = ceil_div_host(p.seqlen_k, Traits::kBlockN);
   k.n_blocks = n_blocks;
   // The plain order only (head_group 0, as full attention has): the tickets then start a head's key blocks together.
-  // The wide path (d256, bwd_mma_wide.h) walks in order and is never deterministic (config.h: bwd_serves).
-  k.dq_rotate = !Traits::kWide && p.dq_semaphore != nullptr && !k.causal && p.head_group == 0 &&
+  k.dq_rotate = p.dq_semaphore != nullptr && !k.causal && p.head_group == 0 &&
                 2 * n_blocks <= device_sm_count();
 
   constexpr int smem = Traits::kSmemSize;

@@ -1,7 +1,7 @@
 // The d256 tile's MMA warpgroups (config.h: bwd_tile(256); FA3's mainloop_bwd_sm90_tma_gmma_ws.hpp at hdim 256): per
-// query block that sees this CTA's 80 keys, S and dP, P and dS through shared memory, dV^T and dK^T with the head dim
-// split across the warpgroups, and dQ per 128-column half, which the MMA warps add into dq_accum by
-// red.global.add.v4.f32; then dK and dV to global memory. bwd_kernel.h runs the prologue and the producer around it.
+// query block that sees this CTA's 64 keys, S and dP, P and dS through shared memory, dV^T and dK^T with the head dim
+// split across the warpgroups, and dQ per 128-column half, staged for the dQ writer warp's TMA reduce-add
+// (bwd_dq_stage.h); then dK and dV to global memory. bwd_kernel.h runs the prologue, the producer and the writer.
 //                                                                                      docs/tuning.md#sm90-backward
 // Names as in bwd_kernel.h; here tSr is of S = Q K^T, tdPr of dP = dO V^T, tdVr / tdKr of dV^T, dK^T.
 #pragma once
@@ -11,6 +11,7 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_conversion.h>
 
+#include "sm90/bwd_dq_stage.h"
 #include "sm90/bwd_traits.h"
 #include "sm90/utils.h"
 
@@ -24,35 +25,37 @@ __device__ __forceinline__ auto half_slice(T&& t) {
   return logical_divide(t, Shape<Underscore, _2>{})(_, make_coord(Int<kH>{}, _), _);
 }
 
-// The MMA warpgroups' named barrier (the narrow tile's dQ staging barriers are not in use here). With one P and one
-// dS buffer it separates, per query block: the previous block's last readers (dV^T, dQ, dK^T) from the P writes, the P
-// writes from dV^T's reads (each warpgroup's dV^T reads all 80 keys), the dS writes from dQ's and dK^T's reads.
+// The MMA warpgroups' named barrier (ids 1-4 are dQ's staging, bwd_dq_stage.h). With one P and one dS stage it
+// separates, per query block: the previous block's last readers (dV^T, dQ, dK^T) from the P writes, the P writes from
+// dV^T's reads (each warpgroup's dV^T reads all 64 keys), the dS writes from dQ's and dK^T's reads.
 constexpr int kPdSBarrier = 0;
 
 template <class Traits>
 __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, typename Traits::SharedStorage& shared,
                                              typename Traits::Pipeline& q_pipe, typename Traits::PipelinedO& do_pipe,
-                                             int n_block, int head, int batch, int m_begin, int m_end) {
+                                             int n_block, int head, int batch, int m_begin, int m_end, int m_first) {
   using Element = typename Traits::Element;
   using M = typename Traits::M;
   using N = typename Traits::N;
   using D = typename Traits::D;
   using dQCols = Int<Traits::kdQCols>;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-  static_assert(Traits::kWide && Traits::kStagesdO == 1 && Traits::kStagesdS == 1 && 2 * Traits::kdQCols == kHeadDim);
-  const int tid = threadIdx.x - kWarpgroupThreads;
+  static_assert(Traits::kWide && Traits::kStagesdO == 1 && Traits::kStagesdS == 2 && 2 * Traits::kdQCols == kHeadDim);
+  const int tid = threadIdx.x - kWarpgroupThreads, mma_warpgroup = tid / kWarpgroupThreads;
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmadKV mma_dkv;
   typename Traits::TiledMmadQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(tid);
   auto thr_dkv = mma_dkv.get_thread_slice(tid);
   auto thr_dq = mma_dq.get_thread_slice(tid);
-  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<D, N>{});  // dK^T: 2 x 64 dims x 80 keys a warpgroup
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<D, N>{});  // dK^T: 2 x 64 dims x 64 keys a warpgroup
   Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<D, N>{});
   clear(tdKrdK);
   clear(tdVrdV);
 
   if (m_begin < m_end) {
+    // Stands in for the writer's first "empty": the slab starts free (bwd_kernel.h's dQ writer).
+    if (tid % kWarpgroupThreads < 32) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + mma_warpgroup);
     Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});      // (M, d, stages)
     Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});    // (d, M, stages)
     Tensor sdO = make_tensor(make_smem_ptr(shared.dO.data()), typename Traits::SmemLayoutdO{});   // (M, d, 1)
@@ -60,10 +63,9 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});      // (N, d)
     Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});    // (d, N)
     Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});      // (N, d)
-    Tensor sP = make_tensor(make_smem_ptr(shared.p.data()), typename Traits::SmemLayoutdS{});     // (M, N, 1)
-    Tensor sPt = make_tensor(make_smem_ptr(shared.p.data()), typename Traits::SmemLayoutdSt{});   // (N, M, 1)
-    Tensor sdS = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdS{});
-    Tensor sdSt = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdSt{});
+    // dS in stage 0 of its buffer, P in stage 1.
+    Tensor sdS = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdS{});    // (M, N, 2)
+    Tensor sdSt = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdSt{});  // (N, M, 2)
     // Operands: Q and dO are S's and dP's A (M = queries), K and V their B (N = keys); dO^T and Q^T are dV^T's and
     // dK^T's A (M = d), P^T and dS^T their B (N = keys, K = queries); dS and K^T are dQ's A and B.
     Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
@@ -71,7 +73,7 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
     Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
     Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
     Tensor tdVrdO = thr_dkv.partition_fragment_A(sdOt);
-    Tensor tdVrP = thr_dkv.partition_fragment_B(sPt);
+    Tensor tdVrP = thr_dkv.partition_fragment_B(sdSt);
     Tensor tdKrQ = thr_dkv.partition_fragment_A(sQt);
     Tensor tdKrdS = thr_dkv.partition_fragment_B(sdSt);
     Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
@@ -83,43 +85,20 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
     // P and dS registers -> shared memory, as they are (stmatrix).
     auto r2s = make_tiled_copy_C(typename Traits::SmemCopyAtomdS{}, mma_sdp);
     auto thr_r2s = r2s.get_thread_slice(tid);
-    Tensor tPsP = thr_r2s.partition_D(as_position_independent_swizzle_tensor(sP(_, _, 0)));
+    Tensor tPsP = thr_r2s.partition_D(as_position_independent_swizzle_tensor(sdS(_, _, 1)));
     Tensor tdSsdS = thr_r2s.partition_D(as_position_independent_swizzle_tensor(sdS(_, _, 0)));
-    // The (query, key) of each S register, and the (query, column) of each dQ one (in a 128-column half).
+    // The (query, key) of each S register.
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<M, N>{}));
     Tensor cS_rc = make_tensor(cS.data(), rowcol(cS.layout()));  // (queries, keys)
     constexpr int kRows = decltype(size<0>(cS_rc))::value;       // queries per thread
-    Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<M, dQCols>{}));
-    Tensor cdQ_rc = make_tensor(cdQ.data(), rowcol(cdQ.layout()));  // (2 rows, 16 columns)
     const int stats_shift = ((batch * p.nheads + head) * p.seqlen_q) & 3;  // this head's first row in the stats box
     const int diagonal = p.seqlen_k - p.seqlen_q;
-    // This lane's float4 of dQ (add_dq): the row of its pair's first or second row, its first column minus the even
-    // lane's share; column block j (8 columns) of half h is 8 j + kdQCols h further.
-    const bool odd = threadIdx.x & 1;
-    const int dq_row = get<0>(cdQ_rc(odd, 0)), dq_col = get<1>(cdQ_rc(odd, 0)) - 2 * odd;
-    float* dq_lane = p.dq_accum + ((int64_t(batch) * p.nheads + head) * p.seqlen_q + dq_row) * kHeadDim + dq_col;
-
-    // dQ half h += this key block's share, from the registers. A lane and its neighbour (lane ^ 1) hold 4 consecutive
-    // columns of the same two rows; one swap gives the even lane the first row's 4 and the odd lane the second's, so
-    // each adds a float4 (red.global.add.v4.f32) and a lane pair fills one 32-byte sector. Rows past seqlen_q are not
-    // added. Unordered across key blocks: not deterministic (config.h: bwd_serves).
-    auto add_dq = [&](auto const& tdQrdQ, int query0, int h) {
-      Tensor dq = make_tensor(tdQrdQ.data(), rowcol(tdQrdQ.layout()));  // (2 rows, 16 columns)
-      float* dst = dq_lane + int64_t(query0) * kHeadDim + h * Traits::kdQCols;
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(dq) / 2; ++j) {
-        const float a0 = dq(0, 2 * j), a1 = dq(0, 2 * j + 1), b0 = dq(1, 2 * j), b1 = dq(1, 2 * j + 1);
-        const float r0 = __shfl_xor_sync(0xffffffff, odd ? a0 : b0, 1);
-        const float r1 = __shfl_xor_sync(0xffffffff, odd ? a1 : b1, 1);
-        const float4 v = odd ? make_float4(r0, r1, b0, b1) : make_float4(a0, a1, r0, r1);
-        if (query0 + dq_row < p.seqlen_q) atomicAdd(reinterpret_cast<float4*>(dst + 8 * j), v);
-      }
-    };
 
     shared.kv_full.wait(0);
     typename Traits::PipelineState stage;
     typename Traits::PipelineStatedO do_stage;
-    for (int m = m_begin; m < m_end; ++m, ++stage, ++do_stage) {
+    // The walk of bwd_kernel.h's BwdWork: from m_first, wrapping from m_end to m_begin (the producer's order).
+    for (int i = 0, m = m_first; i < m_end - m_begin; ++i, m = m + 1 == m_end ? m_begin : m + 1, ++stage, ++do_stage) {
       const int s = stage.index(), query0 = m * kBlockM, key0 = n_block * kBlockN;
       // S = Q K^T and dP = dO V^T, both in flight; P's exp2 overlaps dP's GEMM.
       Tensor tSrS = partition_fragment_C(mma_sdp, Shape<M, N>{});
@@ -169,7 +148,7 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
       }
       Tensor rP = make_tensor<Element>(tSrS.layout());
       convert(tSrS, rP);
-      // P -> sP once both warpgroups' readers of the previous block (dV^T of sP; dQ and dK^T of sdS) have retired:
+      // P -> sdS[1] once both warpgroups' readers of the previous block (dV^T of P; dQ and dK^T of dS) have retired:
       // each waited for all its GEMMs before releasing Q.
       cutlass::arch::NamedBarrier::sync(Traits::kMmaThreads, kPdSBarrier);
       copy(r2s, thr_r2s.retile_S(rP), tPsP);
@@ -189,23 +168,23 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
       cutlass::arch::NamedBarrier::sync(Traits::kMmaThreads, kPdSBarrier);
       copy(r2s, thr_r2s.retile_S(rdS), tdSsdS);
       // dV^T += dO^T P, this warpgroup's first 64 dims, while the dS stores drain.
-      warpgroup_gemm<false, -1>(mma_dkv, half_slice<0>(tdVrdO(_, _, _, 0)), tdVrP(_, _, _, 0), dV0);
+      warpgroup_gemm<false, -1>(mma_dkv, half_slice<0>(tdVrdO(_, _, _, 0)), tdVrP(_, _, _, 1), dV0);
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(Traits::kMmaThreads, kPdSBarrier);  // dS complete
-      // dQ = dS K by halves into the same 32 registers; each half's adds overlap the dV^T / dK^T GEMM issued after it.
-      // Order: dQ0, dV^T1 | add dQ0 | dK^T0 | dO free | dQ1, dK^T1 | add dQ1 | Q free (FA3's, except that dK^T1 is
-      // issued before dQ1's adds rather than after, so that they overlap it too).
+      // dQ = dS K by halves into the same 32 registers; each half's staging overlaps the dV^T / dK^T GEMM issued after
+      // it. Order: dQ0, dV^T1 | stage dQ0 | dK^T0 | dO free | dQ1, dK^T1 | stage dQ1 | Q free (FA3's, except that dK^T1
+      // is issued before dQ1's staging rather than after, so that it overlaps it too).
       Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<M, dQCols>{});
       warpgroup_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, 0), half_slice<0>(tdQrK), tdQrdQ);
-      warpgroup_gemm<false, 1>(mma_dkv, half_slice<1>(tdVrdO(_, _, _, 0)), tdVrP(_, _, _, 0), dV1);  // dQ0 retired
+      warpgroup_gemm<false, 1>(mma_dkv, half_slice<1>(tdVrdO(_, _, _, 0)), tdVrP(_, _, _, 1), dV1);  // dQ0 retired
       warpgroup_fence_operand(tdQrdQ);
-      add_dq(tdQrdQ, query0, 0);
+      hand_dq_to_writer<Traits>(mma_dq, tid, tdQrdQ, shared.dq.data(), mma_warpgroup);
       warpgroup_gemm<false, 1>(mma_dkv, half_slice<0>(tdKrQ(_, _, _, s)), tdKrdS(_, _, _, 0), dK0);  // dV^T1 retired
       do_pipe.consumer_release(do_stage);  // dV^T's GEMMs, dO's last readers, retired
       warpgroup_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, 0), half_slice<1>(tdQrK), tdQrdQ);
       warpgroup_gemm<false, 1>(mma_dkv, half_slice<1>(tdKrQ(_, _, _, s)), tdKrdS(_, _, _, 0), dK1);  // dQ1 retired
       warpgroup_fence_operand(tdQrdQ);
-      add_dq(tdQrdQ, query0, 1);
+      hand_dq_to_writer<Traits>(mma_dq, tid, tdQrdQ, shared.dq.data(), mma_warpgroup);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdKrdK);
       q_pipe.consumer_release(stage);  // dK^T's GEMMs, Q's last readers, retired

@@ -27,7 +27,7 @@ constexpr int kBwdThreads = (1 + kBwdMmaWarpgroups) * kWarpgroupThreads;
 // shared memory. The two MMA warpgroups stack on the keys for S^T, dP^T, dV and dK (64 keys each) and on the head dim
 // for dQ.
 // d256 (kWide): FA3's d256 structure (its dKV_swapAB; config.h says why). S and dP as they are, the warpgroups
-// side by side on the keys (40 each); dV^T += dO^T P and dK^T += Q^T dS with both operands from shared memory, the
+// side by side on the keys (32 each); dV^T += dO^T P and dK^T += Q^T dS with both operands from shared memory, the
 // warpgroups stacked on the head dim (warpgroup w: dims 64w + [0, 64) and 128 + 64w + [0, 64)); dQ per 128-column
 // half.
 // dV and dK's wgmma: narrow (M = keys, N = d, K = queries), A from registers; wide (M = d, N = keys), both from
@@ -59,7 +59,7 @@ struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
   static constexpr bool kWide = kHeadDim == 256;
   static constexpr int kStagesdO = bwd_do_stages({kHeadDim, kBlockM, kBlockN, kStages, false, false});
-  static constexpr int kStagesdS = kWide ? 1 : kStages;  // narrow: one per Q stage; wide: one P and one dS
+  static constexpr int kStagesdS = kWide ? 2 : kStages;  // narrow: one per Q stage; wide: dS (0) and P (1)
   static constexpr int kdQCols = kWide ? 128 : kHeadDim;  // columns of one dQ GEMM
   static constexpr bool kdQSwapAB = !kWide && kBlockM % 64 != 0;  // dQ^T = K^T dS^T (bwd_dq_op)
   static constexpr bool kPersistent = bwd_persistent({kHeadDim, kBlockM, kBlockN, kStages, false, false});
@@ -69,8 +69,8 @@ struct BwdTraits {
   // and at 232 ptxas serialized the wgmmas (its C7512) and spilled S^T across dP^T's GEMM: 24 / 240, FA3's split.
   static constexpr int kProducerRegs = kdQSwapAB ? 24 : 40, kMmaRegs = kdQSwapAB ? 240 : 232;
   static constexpr int kMmaThreads = kBwdMmaWarpgroups * kWarpgroupThreads;
-  static_assert(kWide ? kBlockN == 80 : kBlockN == 64 * kBwdMmaWarpgroups,
-                "narrow: each MMA warpgroup owns 64 keys; wide: 40 keys of S, 2 x 80 fp32 of dK^T and dV^T");
+  static_assert(kWide ? kBlockN == 64 : kBlockN == 64 * kBwdMmaWarpgroups,
+                "narrow: each MMA warpgroup owns 64 keys; wide: 32 keys of S, 2 x 64 fp32 of dK^T and dV^T");
   using M = Int<kBlockM>;
   using N = Int<kBlockN>;
   using D = Int<kHeadDim>;
@@ -110,10 +110,11 @@ struct BwdTraits {
   using SmemLayoutK =
       decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockN, kHeadDim / kBwdMmaWarpgroups>{}, Shape<N, D>{}));
   using SmemLayoutV = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockN, kHeadDim>{}, Shape<N, D>{}));
-  // dS as dQ's A operand, (queries, keys) with the keys contiguous; one stage per Q stage (wide: one, and P has the
-  // same layout). Wide: 40-key rows are no whole swizzle row, so the atom is the unswizzled one (FA3's too).
-  using SmemLayoutdS = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockM, kBlockN / kBwdMmaWarpgroups>{},
-                                              Shape<M, N, Int<kStagesdS>>{}, Step<_1, _2, _3>{}));
+  // dS as dQ's A operand, (queries, keys) with the keys contiguous; one stage per Q stage (wide: dS, then P in the
+  // same layout). Wide: every read (dQ's A, dK^T's and dV^T's B) spans all the keys, so the atom does.
+  using SmemLayoutdS = decltype(tile_to_shape(
+      SmemAtom<GMMA::Major::K, kBlockM, kWide ? kBlockN : kBlockN / kBwdMmaWarpgroups>{}, Shape<M, N, Int<kStagesdS>>{},
+      Step<_1, _2, _3>{}));
   // Transposed views, Xt(c, r, s) = X(r, c, s): a composition with the (cols, rows) -> row + rows * col layout.
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_layout(Shape<D, M, Int<kStages>>{}, Stride<M, _1, Int<kBlockM * kHeadDim>>{})));
@@ -123,7 +124,7 @@ struct BwdTraits {
   using SmemLayoutdSt = decltype(composition(
       SmemLayoutdS{}, make_layout(Shape<N, M, Int<kStagesdS>>{}, Stride<M, _1, Int<kBlockM * kBlockN>>{})));
   // The registers hold dS^T (keys, queries) and shared memory wants dS (queries, keys): stmatrix's transposing form.
-  // Wide: the registers hold P and dS as stored, 20 a thread (x2: 8 x 8 matrices of 16 rows x 8 keys per warp).
+  // Wide: the registers hold P and dS as stored, 16 a thread (x2: 8 x 8 matrices of 16 rows x 8 keys per warp).
   using SmemCopyAtomdS =
       Copy_Atom<std::conditional_t<kWide, SM90_U32x2_STSM_N, SM90_U16x8_STSM_T>, Element>;
 
@@ -149,13 +150,13 @@ struct BwdTraits {
                                           make_tensor(make_gmem_ptr(static_cast<float const*>(nullptr)), ShapeStats{},
                                                       Stride<_1>{}),
                                           Layout<StatsBox>{}, StatsBox{}, _1{}));
-  // dQ of a query block, staged (bwd_dq_stage.h) for the writer warp's TMA reduce-add into the row-major fp32 dq_accum:
-  // (M, d), 128-byte swizzle (8 x 32-float atoms); MMA warpgroup w's slab, columns [64w, 64w + 64), is the first or
-  // second half.
-  // Not staged when wide.
-  using dQSlab = Shape<M, Int<kHeadDim / kBwdMmaWarpgroups>>;
-  using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<M, D>{}));
-  using SmemLayoutdQt = decltype(composition(SmemLayoutdQ{}, make_layout(Shape<D, M>{}, Stride<M, _1>{})));  // dQ^T's
+  // dQ of a query block (wide: of one 128-column half), staged (bwd_dq_stage.h) for the writer warp's TMA reduce-add
+  // into the row-major fp32 dq_accum: (M, kdQCols), 128-byte swizzle (8 x 32-float atoms); MMA warpgroup w's slab,
+  // columns [64w, 64w + 64) of the GEMM's, is the first or second half.
+  using dQSlab = Shape<M, Int<kdQCols / kBwdMmaWarpgroups>>;
+  using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<M, Int<kdQCols>>{}));
+  using SmemLayoutdQt =  // dQ^T's
+      decltype(composition(SmemLayoutdQ{}, make_layout(Shape<Int<kdQCols>, M>{}, Stride<M, _1>{})));
   using SmemLayoutdQSlab = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, dQSlab{}));
   using TmadQ = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{},
                                        make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), ShapeQKV{},
@@ -179,11 +180,8 @@ struct BwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> v;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdO>, 1024> dO;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutdS>, 1024> dS;
-    union {  // never both: the wide tile's P (laid out as dS) or the narrow one's dQ staging
-      cute::array_aligned<Element, kWide ? cute::cosize_v<SmemLayoutdS> : 0, 1024> p;
-      cute::array_aligned<float, kWide ? 0 : cute::cosize_v<SmemLayoutdQ>, 1024> dq;
-    };
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutdS>, 1024> dS;  // wide: and P
+    cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>, 1024> dq;
     cute::array_aligned<float, kStatsStage * kStages, 128> lse;  // a box per stage, with Q's stages
     cute::array_aligned<float, kStatsStage * kStagesdO, 128> d;  // a box per stage, with dO's stages
     alignas(16) cutlass::arch::ClusterTransactionBarrier kv_full;  // K and V landed
@@ -205,8 +203,7 @@ struct BwdKernelParams {
   typename Traits::TmaK tma_k;
   typename Traits::TmaV tma_v;
   typename Traits::TmaStats tma_lse, tma_d;  // over lse and d_sum, flat
-  typename Traits::TmadQ tma_dq;             // reduce-add into dq_accum (narrow)
-  float* dq_accum;  // wide: (batch, heads, seqlen_q, head dim) fp32, added into by red.global.add.v4.f32
+  typename Traits::TmadQ tma_dq;             // reduce-add into dq_accum (the writer's)
   typename Traits::ShapeQKV shape_q, shape_k;  // (seqlen, head dim, heads, batch); shape_k's heads are nheads_k
   int32_t stats_total;  // batch * nheads * seqlen_q: lse's and d_sum's length (lse: natural log, -inf: no key seen;
                         // d_sum: D = rowsum(dO * O), which the preprocess writes)

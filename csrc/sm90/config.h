@@ -42,8 +42,8 @@ constexpr bool fwd_serves(int head_dim, int seqlen_q, bool kvcache, int /*window
 
 // The backward (bwd_kernel.h; docs/tuning.md#sm90-backward). A CTA per (key block, head, batch), or a persistent CTA
 // per SM taking such tiles in turn (bwd_persistent): a producer warpgroup (TMA: K and V once a tile, Q (two stages)
-// and dO with lse and D per query block; at d64 and d128 a dQ writer warp) and two MMA warpgroups, which walk the
-// query blocks that see their keys.
+// and dO with lse and D per query block; a dQ writer warp) and two MMA warpgroups, which walk the query blocks that
+// see their keys.
 // d64 and d128: 64 keys per warpgroup: S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory, dV += P^T dO and
 // dK += dS^T Q with P^T and dS^T from registers, dQ = dS K with dS through shared memory, staged in shared memory and
 // added into the fp32 dq_accum by the writer's TMA reduce-add. Two dO stages. d128: 80 queries x 128 keys for full
@@ -52,15 +52,15 @@ constexpr bool fwd_serves(int head_dim, int seqlen_q, bool kvcache, int /*window
 // wgmma M, so that tile computes dQ^T = K^T dS^T (bwd_traits.h).
 // 128 x 128 at d64 (FA3's d64 tile: d64's GEMMs are short, so twice the queries per block halve the handoffs per
 // FLOP).
-// d256 (bwd_mma_wide.h): 64 x 80, FA3's d256 tile. dK and dV over all 256 dims for 64 keys would be 256 fp32
-// registers a thread, so the warpgroups split the head dim instead (dK^T, dV^T: 128 dims x 80 keys each, 160
-// registers), which puts P and dS in shared memory; S and dP are not transposed (40 keys per warpgroup), dQ is computed
-// per 128-column half and added by the MMA warps' red.global.add.v4.f32 (no staging). One dO stage: two would not fit.
+// d256 (bwd_mma_wide.h): 64 x 64 (cuDNN's d256 tile). dK and dV over all 256 dims for 64 keys would be 256 fp32
+// registers a thread, so the warpgroups split the head dim instead (dK^T, dV^T: 128 dims x 64 keys each, 128
+// registers), which puts P and dS in shared memory; S and dP are not transposed (32 keys per warpgroup), dQ is computed
+// per 128-column half and staged for the dQ writer as at d128. One dO stage: two would not fit beside the staging.
 constexpr bool bwd_has_tile(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
 constexpr BwdTileShape bwd_tile(int head_dim, bool causal) {
   const int block_m = head_dim == 64 ? 128 : head_dim == 128 && !causal ? 80 : 64;
-  return {head_dim, block_m, head_dim == 256 ? 80 : 128, 2, false, false};
+  return {head_dim, block_m, head_dim == 256 ? 64 : 128, 2, false, false};
 }
 
 // dO's stages: as many as Q's, but one at d256 (bwd_mma_wide.h releases it mid-block).
@@ -72,24 +72,22 @@ constexpr int bwd_do_stages(BwdTileShape t) { return t.head_dim == 256 ? 1 : t.s
 constexpr bool bwd_persistent(BwdTileShape t) { return t.head_dim == 64 || (t.head_dim == 128 && t.block_m == 64); }
 
 // Shared memory of a tile: K and V, the Q and dO stages (2-byte elements), their lse and D boxes (floats); d64/d128:
-// dS per Q stage and dQ's fp32 staging; d256: one P and one dS; plus the barriers. bwd_launch.h asserts the traits'
-// SharedStorage fits it.
+// dS per Q stage; d256: one P and one dS; dQ's fp32 staging (d256: a 128-column half); plus the barriers.
+// bwd_launch.h asserts the traits' SharedStorage fits it.
 constexpr int bwd_smem_bytes(BwdTileShape t) {
   const bool wide = t.head_dim == 256;
   const int do_stages = bwd_do_stages(t);
   return (2 * t.block_n + (t.stages + do_stages) * t.block_m) * t.head_dim * 2 +
          (wide ? 2 : t.stages) * t.block_m * t.block_n * 2 + (t.stages + do_stages) * (t.block_m + 32) * 4 +
-         (wide ? 0 : t.block_m * t.head_dim * 4) + 1024;
+         t.block_m * (wide ? 128 : t.head_dim) * 4 + 1024;
 }
 
 // What the backward of this family computes so far: padded batches, any lengths, MHA/GQA/MQA (dK and dV per query
-// head, as the mma.sync backward writes them), full or causal attention, deterministic or not (d256: not; its dQ
-// adds come from the MMA warps, which take no turns), at the compiled head dims exactly. Varlen, windows, softcap,
-// ALiBi, dropout and d256's deterministic mode run on the mma.sync family, by the plan.
+// head, as the mma.sync backward writes them), full or causal attention, deterministic or not, at the compiled head
+// dims exactly. Varlen, windows, softcap, ALiBi and dropout run on the mma.sync family, by the plan.
 constexpr bool bwd_serves(int head_dim, bool varlen, int window_left, int window_right, bool softcap, bool alibi,
                           bool dropout, bool deterministic) {
-  return bwd_has_tile(head_dim) && !varlen && window_left < 0 && window_right <= 0 && !softcap && !alibi && !dropout &&
-         !(deterministic && head_dim == 256);
+  return bwd_has_tile(head_dim) && !varlen && window_left < 0 && window_right <= 0 && !softcap && !alibi && !dropout;
 }
 
 }  // namespace fa2::sm90
