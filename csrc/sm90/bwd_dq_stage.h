@@ -1,7 +1,8 @@
 // dQ's staging in the Hopper backward (bwd_kernel.h; bwd_mma_wide.h per 128-column half): an MMA thread's share
 // of a query block's dQ, from its accumulator into the fp32 staging tile, row-major (query, column) under the
-// 128-byte swizzle, which the dQ writer's TMA reduce-add reads (bwd_traits.h: SmemLayoutdQ, the warpgroups' slabs). Host and device, so that
-// bench/dq_swap_maps.cu checks this code's addresses and bank conflicts.               docs/tuning.md#sm90-backward
+// 128-byte swizzle, which the dQ writer's TMA reduce-add reads (bwd_traits.h: SmemLayoutdQ, the warpgroups' slabs).
+// Host and device, so that bench/dq_swap_maps.cu checks this code's addresses and bank conflicts.
+//                                                                                      docs/tuning.md#sm90-backward
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     // One tile per CTA: bwd_mma_wide's rings start afresh and it never frees K and V for a next tile.
     static_assert(!kPersistent, "config.h: bwd_persistent");
     const BwdWork w = work_of(first_tile);
-    bwd_mma_wide<Traits>(p, shared, q_pipe, do_pipe, w.n_block, w.head, w.batch, w.m_begin, w.m_end, w.m_first);
+    bwd_mma_wide<Traits>(p, shared, q_pipe, do_pipe, w);
   } else {
     const int tid = threadIdx.x - kWarpgroupThreads;
     typename Traits::TiledMmaSdP mma_sdp;

@@ -30,10 +30,13 @@ __device__ __forceinline__ auto half_slice(T&& t) {
 // dV^T's reads (each warpgroup's dV^T reads all 64 keys), the dS writes from dQ's and dK^T's reads.
 constexpr int kPdSBarrier = 0;
 
-template <class Traits>
+// w: the tile (bwd_kernel.h's BwdWork): its key block, head, batch and the query blocks it walks, in the producer's
+// order.
+template <class Traits, class Work>
 __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, typename Traits::SharedStorage& shared,
                                              typename Traits::Pipeline& q_pipe, typename Traits::PipelinedO& do_pipe,
-                                             int n_block, int head, int batch, int m_begin, int m_end, int m_first) {
+                                             Work const& w) {
+  const int n_block = w.n_block, head = w.head, batch = w.batch, m_begin = w.m_begin, m_end = w.m_end;
   using Element = typename Traits::Element;
   using M = typename Traits::M;
   using N = typename Traits::N;
@@ -97,8 +100,7 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
     shared.kv_full.wait(0);
     typename Traits::PipelineState stage;
     typename Traits::PipelineStatedO do_stage;
-    // The walk of bwd_kernel.h's BwdWork: from m_first, wrapping from m_end to m_begin (the producer's order).
-    for (int i = 0, m = m_first; i < m_end - m_begin; ++i, m = m + 1 == m_end ? m_begin : m + 1, ++stage, ++do_stage) {
+    for (int i = 0, m = w.m_first; i < m_end - m_begin; ++i, m = w.next(m), ++stage, ++do_stage) {
       const int s = stage.index(), query0 = m * kBlockM, key0 = n_block * kBlockN;
       // S = Q K^T and dP = dO V^T, both in flight; P's exp2 overlaps dP's GEMM.
       Tensor tSrS = partition_fragment_C(mma_sdp, Shape<M, N>{});
