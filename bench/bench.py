@@ -55,7 +55,8 @@ def attention_fn(impl, causal, fa2=None, dropout_p=0.0):
     def sdpa(q, k, v):
         with sdpa_kernel([backend]):
             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=causal, dropout_p=dropout_p).transpose(1, 2)
+                                                  is_causal=causal, dropout_p=dropout_p,
+                                                  enable_gqa=k.shape[2] != q.shape[2]).transpose(1, 2)
     return sdpa
 
 
@@ -144,8 +145,10 @@ def run_sweep(args):
     print(f"{'dtype':5} {'hdim':>4} {'causal':>6} {'seqlen':>6} {'batch':>5} {'heads':>5} {'mode':>6} "
           + " ".join(f"{i:>10}" for i in impls) + f" {'fa2/flash':>9} {'maxdiff':>8}", flush=True)
     for dt, d, causal, n, b, h in shapes:
-        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=common.dtype(dt), requires_grad=True)
-                   for _ in range(3))
+        if h % args.group:
+            raise SystemExit(f"bench.py: --group {args.group} must divide the {h} heads of hdim {d}")
+        q, k, v = (torch.randn(b, n, h // (1 if i == 0 else args.group), d, device="cuda", dtype=common.dtype(dt),
+                               requires_grad=True) for i in range(3))
         dout = torch.randn(b, n, h, d, device="cuda", dtype=common.dtype(dt))
         diff = math.nan
         if "fa2" in impls:
@@ -165,7 +168,7 @@ def run_sweep(args):
                     ms = None
                 tflops[impl] = None if ms is None else common.flops(b, h, n, n, d, causal, mode) / ms / 1e9
                 rows.write(impl=impl, mode=mode, dtype=dt, hdim=d, causal=causal, seqlen=n, batch=b, nheads=h,
-                           ms=ms, tflops=tflops[impl])
+                           nheads_kv=h // args.group, ms=ms, tflops=tflops[impl])
             fa, fl = tflops.get("fa2"), tflops.get("sdpa_flash")
             ratio = fa / fl if fa and fl else math.nan
             cells = " ".join(f"{tflops[i]:10.1f}" if tflops[i] else f"{'-':>10}" for i in impls)
@@ -190,6 +193,8 @@ def varlen_lengths(args):
     lengths = []
     while sum(lengths) < args.tokens:
         lengths.append(int(torch.randint(args.min, args.max + 1, (), generator=gen)))
+    if args.equal:  # as many sequences of the mean length: the dense batch's tiles, through the varlen call
+        lengths = [round(sum(lengths) / len(lengths))] * len(lengths)
     return lengths
 
 
@@ -197,8 +202,9 @@ def run_varlen(args):
     import torch
     lengths = varlen_lengths(args)
     total, longest, h, d = sum(lengths), max(lengths), args.nheads, args.hdim
+    max_seqlen = longest * args.max_factor  # the grid's query blocks per sequence (the empty ones past each end)
     desc = (f"{len(lengths)} sequences, {total} tokens, longest {longest}, padded batch {len(lengths)}x{longest} "
-            f"({len(lengths) * longest / total:.2f}x the tokens), h{h} d{d} {args.dtype}")
+            f"({len(lengths) * longest / total:.2f}x the tokens), max_seqlen {max_seqlen}, h{h} d{d} {args.dtype}")
     if args.dry_run:
         print(f"# varlen: {desc}\n# lengths {lengths}")
         return 0
@@ -226,7 +232,7 @@ def run_varlen(args):
             if family:
                 fa2._C.set_test_overrides(family=family)  # test-only (csrc/CONTRACT.md): this family where it serves
             try:
-                return fa2.attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal)
+                return fa2.attention_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=causal)
             finally:
                 if family:
                     fa2._C.set_test_overrides()
@@ -253,7 +259,7 @@ def run_varlen(args):
                 cells.append(f"{name} {ms:7.3f} ms {tflops:6.1f} TFLOP/s")
                 rows.write(impl=name, mode=mode, dtype=args.dtype, hdim=d, causal=causal, seqlen=longest,
                            batch=len(lengths), nheads=h, ms=ms, tflops=tflops, tokens=total, min=args.min,
-                           max=args.max)
+                           max=args.max, equal=args.equal, max_seqlen=max_seqlen)
             cells.append(f"varlen/dense {rate['fa2_varlen'] / rate['fa2_dense']:.2f}")
             print(f"causal={causal!s:5} {mode:6} | " + " | ".join(cells), flush=True)
     rows.close()
@@ -898,6 +904,8 @@ def parser():
         p.add_argument("--hidden", type=int, default=2048, help="nheads = hidden // hdim unless --nheads")
         p.add_argument("--batch", type=int, default=batch, help="fixed batch")
         p.add_argument("--nheads", type=int, default=nheads, help="fixed number of heads")
+        p.add_argument("--group", type=int, default=1,
+                       help="query heads per K/V head (GQA; 1 = MHA); TFLOP/s count the query heads' work, as for MHA")
         p.add_argument("--out", default=None, help="results .jsonl, appended to (default bench/results/<gpu>-<date>"
                                                    f"{'' if batch is None else '-inference'}.jsonl)")
         p.add_argument("--plot", action="store_true", help="then draw <out>-<dtype>.png per dtype (matplotlib)")
@@ -919,6 +927,11 @@ def parser():
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--min", type=int, default=64, help="shortest sequence")
     p.add_argument("--max", type=int, default=2048, help="longest sequence (lengths uniform in [min, max])")
+    p.add_argument("--equal", action="store_true",
+                   help="every sequence of the mean length: fa2_varlen then runs fa2_dense's tiles through the varlen "
+                        "call, so varlen/dense is the call's own cost")
+    p.add_argument("--max-factor", type=int, default=1,
+                   help="pass max_seqlen = this x the longest (more grid tiles past each sequence's end)")
     p.add_argument("--hdim", type=int, default=128)
     p.add_argument("--nheads", type=int, default=16)
     p.add_argument("--dtype", default="bf16", choices=common.DTYPE_NAMES)

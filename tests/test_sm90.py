@@ -253,6 +253,21 @@ def test_hopper_varlen_many_sequences(dtype, launch_overrides, require_kernel):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_varlen_more_sequences_than_the_prefix_block(causal, launch_overrides, require_kernel):
+    """The producer draws real tiles only, numbered from a prefix of query blocks that one CTA of 1024 threads scans
+    in chunks (sm90/fwd_launch.h: varlen_tile_prefix): 1300 sequences carry a sum across chunks, and every tile of
+    every sequence is drawn once (poisoned out, rows past each end)."""
+    require_kernel("fwd", 64, torch.bfloat16)
+    launch_overrides(family="sm90")
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 40, (1300,), generator=gen).tolist()
+    for i, n in ((3, 300), (1030, 513), (1299, 260)):
+        lengths[i] = n
+    check_varlen(lengths, None, 2, 1, 64, causal)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_hopper_varlen_equals_the_padded_batch(d, launch_overrides, require_kernel):
     """Equal lengths packed give exactly what the Hopper family gives for the padded batch: the same tiles, key blocks

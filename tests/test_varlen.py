@@ -146,6 +146,30 @@ def test_attention_varlen_autograd(require_kernel):
         assert_close_to_ref(g, r64, rl, name=f"attention_varlen {name}")
 
 
+@gpu
+def test_gpu_cu_seqlens_values_are_read_once_per_tensor(require_kernel, monkeypatch):
+    """The varlen ops never wait for cu_seqlens on the GPU (a wait per call left the GPU idle for the host's launch
+    path); the Python layer reads a pair's values once, and again after an in-place write bumps a version."""
+    require_kernel("fwd", 64, torch.bfloat16)
+    reads, read = [], fa2.ops.CHECK_VARLEN
+    monkeypatch.setattr(fa2.ops, "CHECK_VARLEN", lambda *args: (reads.append(args[2:4]), read(*args))[1])
+    q, cu_q = pack([40, 200, 9], 2, 64, torch.bfloat16)
+    k, cu_k = pack([64, 130, 300], 2, 64, torch.bfloat16)
+    v = torch.randn_like(k)
+    for causal in (False, True):
+        fa2.attention_varlen(q, k, v, cu_q, cu_k, 200, 300, causal=causal)
+    fa2.fwd_varlen(q, k, v, cu_q, cu_k, 200, 300)
+    assert len(reads) == 1 and reads[0][0] is cu_q and reads[0][1] is cu_k
+    with pytest.raises(ValueError, match=r"max_seqlen_k \(299\) is shorter than the longest sequence \(300\)"):
+        fa2.attention_varlen(q, k, v, cu_q, cu_k, 200, 299)  # checked against other limits: read again
+    cu_k[2] = 500  # in place: the version moves, the values are read again
+    with pytest.raises(ValueError, match="cu_seqlens_k must start at 0 and never decrease"):
+        fa2.attention_varlen(q, k, v, cu_q, cu_k, 200, 300)
+    with pytest.raises(ValueError, match="cu_seqlens_q\\[-1\\] must equal the number of tokens"):
+        fa2.fwd_varlen(q[:-1], k, v, cu_q, cu_k.clone(), 200, 300)
+    assert len(reads) == 4
+
+
 # ----------------------------------------------------------------------------------------- validation (CPU)
 def _inputs():
     q = torch.randn(10, 4, 64, dtype=torch.bfloat16)

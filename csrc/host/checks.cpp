@@ -260,11 +260,13 @@ void check_bwd_tensors(const Tensor& dout, const Tensor& q, const Tensor& k, con
   check_buffer("dv", dv, v, "v");
 }
 
-// cu_seqlens: types and shapes always; the values where reading them is allowed (not while a CUDA graph is
-// captured). The kernels clamp whatever they read to the tensors' bounds, so unchecked bad values give wrong
-// numbers, never out-of-bounds accesses.
+// cu_seqlens: types and shapes always; the values where reading them costs no wait (CPU tensors), and GPU tensors'
+// values where `read_device` (fa2::check_varlen, which the Python layer calls once per pair of tensors; never while
+// a CUDA graph is captured). A read from the GPU is a copy and a stream synchronize, which per call left the GPU
+// idle for the host's launch path (docs/host-path.md#cu_seqlens-values). The kernels clamp whatever they read to the
+// tensors' bounds, so unchecked bad values give wrong numbers, never out-of-bounds accesses.
 void check_cu_seqlens(const Tensor& q, const Tensor& k, const Tensor& cu_q, const Tensor& cu_k, int64_t max_q,
-                      int64_t max_k) {
+                      int64_t max_k, bool read_device) {
   const std::pair<const char*, const Tensor*> cus[] = {{"cu_seqlens_q", &cu_q}, {"cu_seqlens_k", &cu_k}};
   for (auto [name, cu] : cus) {
     if (cu->scalar_type() != ScalarType::Int) {
@@ -293,6 +295,7 @@ void check_cu_seqlens(const Tensor& q, const Tensor& k, const Tensor& cu_q, cons
   const int64_t n = cu_q.numel();
   std::vector<int> values(2 * n);
   if (cu_q.is_cuda()) {
+    if (!read_device) return;
     torch::stable::accelerator::DeviceGuard guard(cu_q.get_device_index());
     const std::optional<cudaStream_t> stream = torch_stream(cu_q.get_device_index());
     if (!stream) return;

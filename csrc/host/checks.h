@@ -53,9 +53,10 @@ void check_bwd_tensors(const Tensor& dout, const Tensor& q, const Tensor& k, con
                        const Tensor& lse, const std::optional<Tensor>& dq, const std::optional<Tensor>& dk,
                        const std::optional<Tensor>& dv, std::vector<int64_t> lse_shape, const char* fwd_name);
 
-// cu_seqlens: types and shapes always; the values where reading them is allowed (not while a CUDA graph is captured).
+// cu_seqlens: types and shapes always; the values of CPU tensors, and of GPU tensors where `read_device` (a copy
+// and a wait; not while a CUDA graph is captured).
 void check_cu_seqlens(const Tensor& q, const Tensor& k, const Tensor& cu_q, const Tensor& cu_k, int64_t max_q,
-                      int64_t max_k);
+                      int64_t max_k, bool read_device);
 
 // fa2.attention_with_kvcache's checks, after which nothing can fail but a launch.
 void check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const std::optional<Tensor>& k_new,

@@ -124,7 +124,7 @@ void launch_forward(FwdParams& p, const Tensor& q, const Tensor& lse, DType dtyp
   std::optional<Tensor> o_partial, lse_partial;  // split-KV's workspaces, alive until the launches are queued
   std::optional<Tensor> tile_counter;            // the Hopper forward's (sm90/tile_scheduler.h)
   if (plan.family == Family::kSm90) {
-    tile_counter = new_tensor(q, {1}, ScalarType::Int);
+    tile_counter = new_tensor(q, {p.cu_seqlens_q ? 2 + p.batch : 1}, ScalarType::Int);
     p.tile_counter = static_cast<int*>(tile_counter->data_ptr());
   }
   if (p.num_splits > 1) {
@@ -144,7 +144,7 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
   const bool varlen = cu_q != nullptr;
   check_qkv(q, k, v, softmax_scale, varlen);
   check_buffer("out", out_buffer, q, "q");
-  if (varlen) check_cu_seqlens(q, k, *cu_q, *cu_k, max_q, max_k);
+  if (varlen) check_cu_seqlens(q, k, *cu_q, *cu_k, max_q, max_k, /*read_device=*/false);
   check_features(f, causal, q, varlen ? cu_q->numel() - 1 : q.size(0));
   if (!recording()) {
     check_devices({{"q", &q}, {"k", &k}, {"v", &v}, {"out", out_buffer ? &*out_buffer : nullptr},
@@ -282,7 +282,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
   check_qkv(q, k, v, softmax_scale, varlen);
   if (varlen) {
     check_bwd_tensors(dout_in, q, k, v, out, lse, dq_buffer, dk_buffer, dv_buffer, {q.size(1), q.size(0)}, "fwd_varlen");
-    check_cu_seqlens(q, k, *cu_q, *cu_k, max_q, max_k);
+    check_cu_seqlens(q, k, *cu_q, *cu_k, max_q, max_k, /*read_device=*/false);
   } else {
     check_bwd_tensors(dout_in, q, k, v, out, lse, dq_buffer, dk_buffer, dv_buffer, {q.size(0), q.size(2), q.size(1)},
                       "fwd");
@@ -435,6 +435,14 @@ void bwd_out(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, 
            dk, dv, std::nullopt);
 }
 
+// fa2::check_varlen: cu_seqlens' checks with their values read from the GPU too (a copy and a wait), for the
+// Python layer's once-per-tensor check (ops.check_cu_seqlens_values); the ops above never wait for them. q and k
+// give the token counts only: their own checks are the ops' (the Python layer may still zero-pad them first).
+void check_varlen(Tensor q, Tensor k, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int64_t max_seqlen_q,
+                  int64_t max_seqlen_k) {
+  check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, /*read_device=*/true);
+}
+
 }  // namespace
 }  // namespace fa2::host
 
@@ -448,4 +456,5 @@ STABLE_TORCH_LIBRARY_IMPL(fa2, CompositeExplicitAutograd, m) {
   m.impl("fwd_out", TORCH_BOX(&fa2::host::fwd_out));
   m.impl("bwd_out", TORCH_BOX(&fa2::host::bwd_out));
   m.impl("fwd_kvcache", TORCH_BOX(&fa2::host::fwd_kvcache));
+  m.impl("check_varlen", TORCH_BOX(&fa2::host::check_varlen));
 }

@@ -116,22 +116,16 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
     auto k_stage = cutlass::make_producer_start_state<Pipeline>();
     auto v_stage = k_stage;
     int q_loads = 0;
-    for (int i = 0, t = blockIdx.x;; ++i) {
-      // Varlen: the grid covers the longest sequence's query blocks, and a tile past its own sequence's end has no
-      // rows. The producer draws on past such tiles, so the consumers never see them (both sides derive a tile's rows
-      // and key blocks from the same seq_rows). A padded batch's tiles all have rows.
-      if (p.cu_seqlens_q != nullptr) {
-        for (; t < num_tiles; t = atomicAdd(p.tile_counter, 1) + int(gridDim.x)) {
-          const WorkTile w = scheduler.tile(t);
-          if (w.m_block * kBlockM < seq_rows(p, w.batch).seqlen_q) break;
-        }
-      }
+    for (int i = 0, r = blockIdx.x;; ++i) {
+      // Draw r is tile r of the grid; varlen: real tile r, whose grid index the consumers get (tile_scheduler.h:
+      // varlen_tile; the launch wrote the prefix of query blocks after the counter).
+      const int t = p.cu_seqlens_q == nullptr ? r : varlen_tile(scheduler, p.tile_counter + 1, r);
       // Publish tile t (a tile past the end tells the consumers to stop), and draw the next.
       shared.tiles.put(i, t);
       if (t >= num_tiles) break;
       const WorkTile w = scheduler.tile(t);
       const SeqRows seq = seq_rows(p, w.batch);
-      t = atomicAdd(p.tile_counter, 1) + int(gridDim.x);
+      r = atomicAdd(p.tile_counter, 1) + int(gridDim.x);
       const int head_kv = w.head / p.head_group_kv;
       const int2 band =
           key_blocks<kBlockM, kBlockN>(w.m_block, seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);

@@ -17,6 +17,41 @@
 
 namespace fa2::sm90 {
 
+// Varlen's draws (tile_scheduler.h: varlen_tile): workspace[0] = 0, the tile counter; workspace[1 + b] = the query
+// blocks of the sequences before b (b = 0..batch), the lengths clamped as the kernel's seq_rows clamps them. One CTA
+// of 1024 threads scans the sequences in chunks, with the memset it replaces as the launch's only other work.
+template <int kBlockM>
+__global__ void __launch_bounds__(1024) varlen_tile_prefix(const int* cu_seqlens_q, int batch, int total_q,
+                                                          int max_seqlen_q, int* workspace) {
+  __shared__ int warp_sums[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int carry = 0;
+  for (int base = 0; base <= batch; base += blockDim.x) {
+    const int b = base + threadIdx.x;  // entry 1 + b sums the sequences before b: an inclusive scan of b - 1's
+    int x = b >= 1 && b <= batch ? ceil_div(packed_span(cu_seqlens_q, b - 1, total_q, max_seqlen_q).len, kBlockM) : 0;
+    for (int o = 1; o < 32; o *= 2) {
+      const int y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+      int w = lane < int(blockDim.x / 32) ? warp_sums[lane] : 0;
+      for (int o = 1; o < 32; o *= 2) {
+        const int y = __shfl_up_sync(0xffffffffu, w, o);
+        if (lane >= o) w += y;
+      }
+      warp_sums[lane] = w;
+    }
+    __syncthreads();
+    x += carry + (warp > 0 ? warp_sums[warp - 1] : 0);
+    if (b <= batch) workspace[1 + b] = x;
+    carry += warp_sums[31];
+    __syncthreads();  // warp_sums is rewritten by the next chunk
+  }
+  if (threadIdx.x == 0) workspace[0] = 0;
+}
+
 template <int kHeadDim, DType kDType>
 void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   constexpr FwdTileShape kTile = fwd_tile(kHeadDim);
@@ -77,8 +112,8 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   k.alibi_slopes = p.alibi_slopes, k.alibi_batch_stride = p.alibi_batch_stride;
   k.rng_state = p.rng_state, k.dropout_threshold = p.dropout_threshold, k.dropout_scale = p.dropout_scale;
   // Heaviest-first sections: the (head, batch) pairs whose K and V fill about 32 MB of the L2 (50 MB on an H100).
-  // Varlen: the grid is (query blocks of the longest sequence, heads, sequences); a tile past its sequence's end is
-  // skipped by the producer as it draws it (fwd_kernel.h).
+  // Varlen: the grid is (query blocks of the longest sequence, heads, sequences), of which the producer draws the
+  // tiles that have rows (tile_scheduler.h: varlen_tile).
   const int64_t kv_bytes = int64_t(p.seqlen_k) * kHeadDim * 2 * sizeof(Element);
   const int section = int(std::max<int64_t>(1, std::min<int64_t>((32 << 20) / kv_bytes, int64_t(p.nheads) * p.batch)));
   k.scheduler = {ceil_div_host(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch, section,
@@ -92,7 +127,13 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   allow_smem<kernel>(smem, "sm90 fwd smem");
   // Persistent: one CTA per SM (the shared memory allows no second), each walking its tiles.
   const int grid = std::min(k.scheduler.num_tiles(), device_sm_count());
-  check_cuda(cudaMemsetAsync(k.tile_counter, 0, sizeof(int), stream), "sm90 fwd tile counter");
+  if (varlen) {
+    varlen_tile_prefix<Traits::kBlockM><<<1, 1024, 0, stream>>>(p.cu_seqlens_q, p.batch, p.total_q, p.seqlen_q,
+                                                                k.tile_counter);
+    check_cuda(cudaGetLastError(), "sm90 fwd varlen tile prefix");
+  } else {
+    check_cuda(cudaMemsetAsync(k.tile_counter, 0, sizeof(int), stream), "sm90 fwd tile counter");
+  }
   kernel<<<grid, kThreads, smem, stream>>>(k);
   check_cuda(cudaGetLastError(), "sm90 fwd launch");
 }

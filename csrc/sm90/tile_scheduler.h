@@ -38,7 +38,34 @@ struct TileScheduler {
     }
     return {m_block, hb % nheads, hb / nheads};
   }
+
+  // The grid index of tile w: tile()'s inverse.
+  CUTE_HOST_DEVICE int index(WorkTile w) const {
+    const int hb = w.batch * nheads + w.head;
+    if (!heavy_first) return hb * num_m + w.m_block;
+    const int first = hb / section * section, width = cute::min(section, nheads * batch - first);
+    return first * num_m + (num_m - 1 - w.m_block) * width + (hb - first);
+  }
 };
+
+// Packed sequences (varlen): the grid covers the longest sequence's query blocks for every sequence, so most of its
+// tiles can lie past their sequence's end. The producer draws real tiles only: r numbers them sequence by sequence
+// from `blocks` (blocks[b]: the query blocks of the sequences before b, fwd_launch.h: varlen_tile_prefix), within a
+// sequence in the grid's order (plain: each head's blocks in turn; heaviest first: every head's last block first).
+// Returns the grid index of real tile r, which the consumers decode as for a padded batch, or num_tiles() past the
+// last one. Each draw was an atomic round trip per empty tile before (docs/tuning.md#sm90-forward).
+CUTE_HOST_DEVICE int varlen_tile(TileScheduler const& s, const int* blocks, int r) {
+  const int nheads = s.nheads;
+  if (r >= blocks[s.batch] * nheads) return s.num_tiles();
+  int lo = 0, hi = s.batch;  // blocks[lo] * nheads <= r < blocks[hi] * nheads
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (blocks[mid] * nheads <= r) lo = mid; else hi = mid;
+  }
+  const int count = blocks[lo + 1] - blocks[lo], local = r - blocks[lo] * nheads;
+  return s.index(s.heavy_first ? WorkTile{count - 1 - local / nheads, local % nheads, lo}
+                               : WorkTile{local % count, local / count, lo});
+}
 
 // A persistent kernel's tiles, handed from its producer warp to the warps that compute them through shared memory.
 // Two slots, so that the producer may draw one tile ahead: the CTA's i-th tile travels in slot i % 2, and a tile past

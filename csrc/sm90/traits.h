@@ -118,7 +118,8 @@ struct FwdKernelParams {
   uint32_t dropout_threshold;  // a score is kept iff its 16 drawn bits are below it
   float dropout_scale;         // 1 / (1 - dropout_p), else 1
   TileScheduler scheduler;  // the tiles and their order
-  int* tile_counter;        // tiles handed out past the first gridDim.x, zeroed before the launch
+  int* tile_counter;        // tiles handed out past the first gridDim.x, zeroed before the launch; varlen: then
+                            // the prefix of query blocks per sequence (fwd_launch.h: varlen_tile_prefix)
 };
 
 }  // namespace fa2::sm90

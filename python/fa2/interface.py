@@ -113,6 +113,7 @@ def fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     sequence, b the sequence) and sink as in fa2.fwd, per sequence."""
     ops.check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     ops.check_max_seqlens(max_seqlen_q, max_seqlen_k)
+    ops.check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     features = (*_features(window_size, softcap, alibi_slopes, dropout_p, rng_state), ops.sink_logits(sink))
     head_dim = ops.unaligned_head_dim(q, k, v)
     if head_dim:
@@ -139,6 +140,7 @@ def bwd_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
     _check_out_missing(out, "fwd_varlen")
     ops.check_tensors(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     ops.check_max_seqlens(max_seqlen_q, max_seqlen_k)
+    ops.check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     features = _features(window_size, softcap, alibi_slopes, dropout_p, rng_state)
     head_dim = ops.unaligned_head_dim(q, k, v, dout, out)
     if head_dim:

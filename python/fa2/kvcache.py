@@ -93,7 +93,7 @@ def packed_from_pages(cache: Tensor, block_table: Tensor, cu_seqlens_k: Tensor, 
     block_table[b, r // page_size] of cache (num_pages, page_size, nheads_k, head_dim), and lands at row
     cu_seqlens_k[b] + r of the result, (cu_seqlens_k[-1], nheads_k, head_dim). Paged prefill (flash-attn's block_table
     in flash_attn_varlen_func) runs this gather and then the packed kernels: it copies each sequence's rows once (one
-    gather), reads cu_seqlens_k[-1] on the host as the varlen call's checks do, and autograd carries gradients into
+    gather), reads cu_seqlens_k[-1] on the host (a wait), and autograd carries gradients into
     the cache rows read. While a CUDA graph is
     captured or torch.compile traces, nothing is read back: the result then has batch * max_seqlen_k rows, those
     past cu_seqlens_k[-1] zero and unread. Page ids are clamped to the cache."""

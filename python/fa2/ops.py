@@ -16,6 +16,7 @@ Two paths share those ops:
 op's inputs, and that is how the flag reaches the backward. The ops never read tensor values on the host while a
 CUDA graph is captured (the varlen checks of cu_seqlens values are skipped then), so a training step can be captured.
 """
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -48,6 +49,9 @@ _SCHEMAS = {
     "bwd_out": "bwd_out(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
                "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float? softmax_scale, bool causal, "
                f"bool deterministic, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, {_FEATURES}) -> ()",
+    # cu_seqlens' checks with their values read from the GPU (a host wait): check_cu_seqlens_values.
+    "check_varlen": "check_varlen(Tensor q, Tensor k, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+                    "SymInt max_seqlen_k) -> ()",
     # fa2.attention_with_kvcache: k and v (the new rows, or None) are written into the caches at cache_seqlens first.
     # cache_seqlens None: cache_seqlen rows for every sequence (-1: the whole capacity less the new rows).
     "fwd_kvcache": "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
@@ -102,12 +106,14 @@ def _fwd_out_fake(q, k, v, *args):
 
 
 for _name, _fake in (("fwd", _fwd_fake), ("fwd_varlen", _fwd_fake), ("bwd", _bwd_fake), ("bwd_varlen", _bwd_fake),
-                     ("fwd_out", _fwd_out_fake), ("bwd_out", lambda *args: None), ("fwd_kvcache", _fwd_fake)):
+                     ("fwd_out", _fwd_out_fake), ("bwd_out", lambda *args: None), ("fwd_kvcache", _fwd_fake),
+                     ("check_varlen", lambda *args: None)):
     torch.library.register_fake(f"fa2::{_name}", _fake, lib=_LIB)
 
 FWD, BWD = torch.ops.fa2.fwd.default, torch.ops.fa2.bwd.default
 FWD_VARLEN, BWD_VARLEN = torch.ops.fa2.fwd_varlen.default, torch.ops.fa2.bwd_varlen.default
 FWD_OUT, BWD_OUT = torch.ops.fa2.fwd_out.default, torch.ops.fa2.bwd_out.default
+CHECK_VARLEN = torch.ops.fa2.check_varlen.default
 FWD_KVCACHE = torch.ops.fa2.fwd_kvcache.default
 
 _TYPE_ERROR = "TypeError: "  # csrc/host/ops.cpp's mark for a TypeError (C++ exceptions reach Python as ValueError)
@@ -162,6 +168,34 @@ def check_max_seqlens(max_seqlen_q, max_seqlen_k) -> None:
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, (bool, Tensor)) or not hasattr(m, "__index__") or m < 0:
             raise TypeError(f"{name} must be a non-negative Python int (the longest sequence), got {describe(m)}")
+
+
+# The pairs of GPU cu_seqlens whose values were read: id pair -> (weak references, versions, what they were checked
+# against). A training step passes one pair to every layer's forward and backward, so the host waits once a step.
+_CHECKED_CU_SEQLENS = {}
+
+
+def check_cu_seqlens_values(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                            max_seqlen_k: int) -> None:
+    """cu_seqlens' values on the GPU (start at 0, never decrease, end at q's and k's token counts, within max_seqlen),
+    read by the op fa2::check_varlen with a copy and a host wait, once per pair of tensors and version: an in-place
+    write (which bumps a tensor's version) is seen, a write the version counter misses (through .data, or a kernel of
+    another library) is not. The varlen ops never wait for them (CPU cu_seqlens they check on every call); under
+    torch.compile and CUDA-graph capture nothing is read. Unchecked bad values give wrong numbers, never
+    out-of-bounds accesses: the kernels clamp what they read. q and k of another rank are left to the op's checks."""
+    cus = (cu_seqlens_q, cu_seqlens_k)
+    if (not all(type(t) is Tensor and t.is_cuda for t in cus) or not runs_eagerly(q, k) or q.dim() != 3
+            or k.dim() != 3 or torch.cuda.is_current_stream_capturing()):
+        return
+    key, state = (id(cu_seqlens_q), id(cu_seqlens_k)), (*(t._version for t in cus), q.shape[0], k.shape[0],
+                                                         max_seqlen_q, max_seqlen_k)
+    seen = _CHECKED_CU_SEQLENS.get(key)
+    if seen is not None and seen[0]() is cu_seqlens_q and seen[1]() is cu_seqlens_k and seen[2] == state:
+        return
+    CHECK_VARLEN(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if len(_CHECKED_CU_SEQLENS) >= 64:
+        _CHECKED_CU_SEQLENS.clear()
+    _CHECKED_CU_SEQLENS[key] = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), state)
 
 
 # ----------------------------------------------------------------------------------------------- head dims
@@ -396,6 +430,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         k, v = (packed_from_pages(t, block_table, cu_seqlens_k, max_seqlen_k) for t in (k, v))
     if not torch.compiler.is_compiling():
         check_max_seqlens(max_seqlen_q, max_seqlen_k)
+        check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     left, right = window(window_size)
     return _attend(FWD_VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                    bool(causal), bool(deterministic), left, right, float(softcap), slopes(alibi_slopes),

@@ -26,8 +26,8 @@ import torch
 
 from fa2 import reference
 from fa2.kvcache import attention_with_kvcache, packed_from_pages
-from fa2.ops import (FWD, FWD_VARLEN, attend_with_lse, attention, attention_varlen, check_max_seqlens, check_tensors,
-                     describe, dropout_state, slopes)
+from fa2.ops import (FWD, FWD_VARLEN, attend_with_lse, attention, attention_varlen, check_cu_seqlens_values,
+                     check_max_seqlens, check_tensors, describe, dropout_state, slopes)
 
 def _window(window_size, causal):
     """flash-attn's window_size as fa2's (left, right) ints. As in flash-attn: an entry may be an integer 0-d tensor
@@ -98,6 +98,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                 softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     check_max_seqlens(max_seqlen_q, max_seqlen_k)
+    check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     state = dropout_state(dropout_p, q.device)
     out, lse = attend_with_lse(FWD_VARLEN, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale, bool(causal), bool(deterministic), *window_size, float(softcap),
