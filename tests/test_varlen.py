@@ -170,6 +170,24 @@ def test_gpu_cu_seqlens_values_are_read_once_per_tensor(require_kernel, monkeypa
     assert len(reads) == 4
 
 
+@gpu
+def test_gpu_cu_seqlens_checks_in_inference_mode_and_by_type(require_kernel):
+    """Inference tensors have no version counter: their values are read once per pair as well. An int64 cu_seqlens on
+    the GPU is a TypeError, as on the CPU."""
+    require_kernel("fwd", 64, torch.bfloat16)
+    with torch.inference_mode():
+        q, cu = pack([40, 200], 2, 64, torch.bfloat16)
+        fa2.attention_varlen(q, q, q, cu, cu, 200, 200)
+        fa2.attention_varlen(q, q, q, cu, cu, 200, 200, causal=True)
+        bad = cu.clone()
+        bad[1] = 300
+        with pytest.raises(ValueError, match="cu_seqlens_q must start at 0 and never decrease"):
+            fa2.attention_varlen(q, q, q, bad, cu, 200, 200)
+    q, cu = pack([40, 200], 2, 64, torch.bfloat16)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be an int32"):
+        fa2.attention_varlen(q, q, q, cu.long(), cu, 200, 200)
+
+
 # ----------------------------------------------------------------------------------------- validation (CPU)
 def _inputs():
     q = torch.randn(10, 4, 64, dtype=torch.bfloat16)

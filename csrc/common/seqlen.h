@@ -78,8 +78,8 @@ struct PageCursor {
 
 // Sequence `batch`'s tokens [start, start + len) of a packed tensor of `total` tokens (cu: cu_seqlens). Clamped so that
 // a corrupt cu_seqlens can never address outside the tensor, and cut at the max_seqlen that sized the grid. The Python
-// layer validates both and reports bad values; this only keeps the kernels memory-safe when it cannot look (CUDA-graph
-// capture). Every family reads a packed sequence's bounds here.
+// layer reports bad values once per cu_seqlens pair (ops.check_cu_seqlens_values); this keeps the kernels memory-safe
+// whatever they hold. Every family reads a packed sequence's bounds here.
 struct PackedSpan {
   int start, len;
 };

@@ -13,8 +13,9 @@ Two paths share those ops:
   fa2::bwd in the backward one, with only q, k, v, out and lse (and cu_seqlens) saved between them.
 
 `deterministic` is an argument of the forward ops although the forward ignores it: setup_context sees only the
-op's inputs, and that is how the flag reaches the backward. The ops never read tensor values on the host while a
-CUDA graph is captured (the varlen checks of cu_seqlens values are skipped then), so a training step can be captured.
+op's inputs, and that is how the flag reaches the backward. The ops never read GPU tensor values on the host (the
+Python layer reads cu_seqlens once per tensor pair, not while a CUDA graph is captured), so a training step can be
+captured.
 """
 import weakref
 from typing import Optional, Tuple
@@ -171,7 +172,7 @@ def check_max_seqlens(max_seqlen_q, max_seqlen_k) -> None:
 
 
 # The pairs of GPU cu_seqlens whose values were read: id pair -> (weak references, versions, what they were checked
-# against). A training step passes one pair to every layer's forward and backward, so the host waits once a step.
+# against). A training step that passes one pair to every layer's forward and backward waits once.
 _CHECKED_CU_SEQLENS = {}
 
 
@@ -179,20 +180,24 @@ def check_cu_seqlens_values(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqle
                             max_seqlen_k: int) -> None:
     """cu_seqlens' values on the GPU (start at 0, never decrease, end at q's and k's token counts, within max_seqlen),
     read by the op fa2::check_varlen with a copy and a host wait, once per pair of tensors and version: an in-place
-    write (which bumps a tensor's version) is seen, a write the version counter misses (through .data, or a kernel of
-    another library) is not. The varlen ops never wait for them (CPU cu_seqlens they check on every call); under
-    torch.compile and CUDA-graph capture nothing is read. Unchecked bad values give wrong numbers, never
-    out-of-bounds accesses: the kernels clamp what they read. q and k of another rank are left to the op's checks."""
+    write (which bumps a tensor's version) is seen, a write the version counter misses (through .data, another
+    library's kernel, or any write to an inference-mode tensor, which has no version) is not. The varlen ops never
+    wait for them (CPU cu_seqlens they check on every call); under torch.compile and CUDA-graph capture nothing is
+    read. Unchecked bad values give wrong numbers, never out-of-bounds accesses: the kernels clamp what they read.
+    cu_seqlens' errors come before the op's checks of q, k and v; q or k of another rank are left to those."""
     cus = (cu_seqlens_q, cu_seqlens_k)
-    if (not all(type(t) is Tensor and t.is_cuda for t in cus) or not runs_eagerly(q, k) or q.dim() != 3
-            or k.dim() != 3 or torch.cuda.is_current_stream_capturing()):
+    if not all(type(t) is Tensor and t.is_cuda for t in cus) or not runs_eagerly(q, k) or q.dim() != 3 or k.dim() != 3:
         return
-    key, state = (id(cu_seqlens_q), id(cu_seqlens_k)), (*(t._version for t in cus), q.shape[0], k.shape[0],
-                                                         max_seqlen_q, max_seqlen_k)
+    key = (id(cu_seqlens_q), id(cu_seqlens_k))
+    state = (*(None if t.is_inference() else t._version for t in cus), q.shape[0], k.shape[0], max_seqlen_q,
+             max_seqlen_k)
     seen = _CHECKED_CU_SEQLENS.get(key)
     if seen is not None and seen[0]() is cu_seqlens_q and seen[1]() is cu_seqlens_k and seen[2] == state:
         return
-    CHECK_VARLEN(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    with torch.cuda.device(cu_seqlens_q.device):  # the op reads on this device's stream: no read while it captures
+        if torch.cuda.is_current_stream_capturing():
+            return
+    call_traced(CHECK_VARLEN, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if len(_CHECKED_CU_SEQLENS) >= 64:
         _CHECKED_CU_SEQLENS.clear()
     _CHECKED_CU_SEQLENS[key] = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), state)
