@@ -134,6 +134,12 @@ def run_hopper():
         return
     fa2._C.set_test_overrides(family="sm90")  # test-only (csrc/CONTRACT.md)
     run_cases(HOPPER_CASES, HOPPER_VARLEN, (torch.bfloat16,))
+    # GQA/MQA's backward tiles walking a K/V group's query heads (host/plan.cpp: walk_heads; these grids are too
+    # small for the plan to pick it): the whole group (gcd with 64), then walks of 2 (float32 slices summed after).
+    for walk in (64, 2):
+        fa2._C.set_test_overrides(family="sm90", walk_heads=walk)
+        run_cases([c for c in HOPPER_CASES if c[3] != c[4]], [], (torch.bfloat16,))
+    fa2._C.set_test_overrides(family="sm90")
     qkv = torch.randn(2, 257, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
     out, _ = fa2.fwd(*qkv.unbind(2), causal=True)
     # The features it serves: a sliding window (blocks skipped on both sides, rows that see no key), softcap, a sink;

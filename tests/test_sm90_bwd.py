@@ -5,6 +5,7 @@ reference rule, and the plan sends everything else to the
 mma.sync backward. Every build with the Hopper family has it (a build without arch 90 runs these tests on the mma.sync
 backward); the kernel names of a profile say which family ran. CPU (record mode): the plan's family."""
 import json
+import math
 import os
 import tempfile
 
@@ -98,9 +99,10 @@ def test_a_persistent_cta_computes_every_tile_it_draws(d, b, sq, sk, h, hk, caus
     that the preprocess zeroes (bwd_kernel.h, config.h: bwd_persistent): here several tiles a CTA, of unequal lengths
     (causal, ragged ends, GQA), twice in a row, so a counter left from the first call (or a tile two CTAs both took,
     or none did) shows in the second's gradients; the grid says which launch ran. d128's full-attention tile and
-    d256 keep a CTA per tile (a 3-D grid): the same check on that path over several waves."""
+    d256 keep a CTA per tile (a 3-D grid): the same check on that path over several waves. A tile per query head
+    (walk_heads=1), whatever the plan would walk on this GPU: the walks have their own test, below."""
     require_kernel("bwd", d, torch.bfloat16)
-    launch_overrides(family="sm90")
+    launch_overrides(family="sm90", walk_heads=1)
     block_n = 64 if d == 256 else 128  # config.h: bwd_tile
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert -(-sk // block_n) * h * b > 2 * sms, "the case must span several waves"
@@ -119,6 +121,87 @@ def test_a_persistent_cta_computes_every_tile_it_draws(d, b, sq, sk, h, hk, caus
         assert grids == [(sms, 1, 1) if persistent else (-(-sk // block_n), h, b)], grids
     else:
         assert grids == [], grids
+
+
+WALKS = [(64, 3, 1000, 1100, 16, 4), (128, 2, 1500, 700, 24, 8), (128, 2, 700, 1500, 16, 2), (256, 2, 700, 900, 8, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("walk", ["group", 2], ids=["walk_group", "walk_2"])
+@pytest.mark.parametrize("d,b,sq,sk,h,hk", WALKS, ids=["d64_gqa4", "d128_gqa3", "d128_gqa8", "d256_mqa8"])
+def test_a_tile_walks_the_query_heads_of_a_kv_group(d, b, sq, sk, h, hk, walk, causal, deterministic, launch_overrides,
+                                                    require_kernel):
+    """GQA/MQA on the Hopper backward: a tile visits the query heads of one K/V head in turn and sums their dK and dV
+    in registers (bwd_kernel.h: BwdWork; host/plan.cpp: walk_heads), forced here to the whole group (dK and dV
+    written in the input dtype, no sum after the kernel) and to walks of 2 heads (gcd with the group: 1 where the
+    group is 3; the walks' float32 slices summed by the host). Twice in a row (the persistent counter), the grid of
+    walks, and deterministic mode bitwise repeatable with its turns across a walk's heads."""
+    require_kernel("bwd", d, torch.bfloat16)
+    group = h // hk
+    walk = group if walk == "group" else math.gcd(walk, group)
+    launch_overrides(family="sm90", walk_heads=walk)
+    q = randn(b, sq, h, d)
+    k, v = (randn(b, sk, hk, d) for _ in range(2))
+    out, lse = fa2.fwd(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    runs = [fa2.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic) for _ in range(2)]
+    label = f"sm90 walk {walk} d{d} b{b} {sq}x{sk} h{h}/{hk} causal={causal} deterministic={deterministic}"
+    check_grads(runs[0], q, k, v, dout, causal, label)
+    check_grads(runs[1], q, k, v, dout, causal, label + " (second call)")
+    if deterministic:
+        for name, a, b_ in zip(("dq", "dk", "dv"), *runs):
+            assert torch.equal(a, b_), f"{name} differs between two deterministic runs, {label}"
+    grids = bwd_kernel_grids(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic))
+    if hopper_bwd_expected(d):
+        block_n = 64 if d == 256 else 128  # config.h: bwd_tile
+        tiles = (-(-sk // block_n), h // walk, b)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        # bwd_launch.h: the persistent tiles (config.h: bwd_persistent) launch one CTA per SM, or one per tile (1-D)
+        # in deterministic mode; the others a (key blocks, walks, batch) grid.
+        if d == 64 or (d == 128 and causal):
+            expected = (math.prod(tiles), 1, 1) if deterministic else (min(math.prod(tiles), sms), 1, 1)
+        else:
+            expected = tiles
+        assert grids == [expected], (grids, expected)
+    else:
+        assert grids == [], grids
+
+
+PLANNED = [(128, False, 1, 16, 1), (128, False, 16, 16, 4), (128, False, 3, 32, 4), (128, False, 1, 32, 8),
+           (256, True, 1, 8, 1), (256, True, 16, 8, 2), (256, True, 3, 16, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,causal,b,h,hk", PLANNED, ids=["d128_b1_mqa", "d128_b16_gqa4", "d128_b3_gqa8",
+                                                           "d128_b1_gqa4", "d256_causal_b1_mqa", "d256_causal_b16_gqa4",
+                                                           "d256_causal_b3_gqa8"])
+def test_the_plan_walks_whole_groups_where_the_grid_stays_full(d, causal, b, h, hk, launch_overrides, require_kernel):
+    """The plan's walk (host/plan.cpp: walk_heads), read from the grid of a tile that runs a CTA per tile (key blocks
+    x walks x batch: d128's full-attention tile, d256's), 1024 tokens: full attention, whose tiles are equal, the
+    longest walk of the fewest waves x walk; causal the whole group while the grid keeps two tiles per SM, else the
+    largest divisor of the group that does, down to a tile per query head."""
+    require_kernel("bwd", d, torch.bfloat16)
+    launch_overrides(family="sm90")
+    q = randn(b, 1024, h, d)
+    k, v = (randn(b, 1024, hk, d) for _ in range(2))
+    out, lse = fa2.fwd(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    grids = bwd_kernel_grids(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=causal))
+    if not hopper_bwd_expected(d):
+        assert grids == [], grids
+        return
+    sms, group = torch.cuda.get_device_properties(0).multi_processor_count, h // hk
+    blocks = 1024 // (64 if d == 256 else 128)  # config.h: bwd_tile
+    walks = [w for w in range(group, 0, -1) if group % w == 0]  # longest first
+    if causal:
+        walk = next(w for w in walks if w == 1 or blocks * b * (h // w) >= 2 * sms)
+    else:
+        walk = min(walks, key=lambda w: -(-blocks * b * (h // w) // sms) * w)  # min keeps the first (longest) of ties
+    assert grids == [(blocks, h // walk, b)], (grids, walk)
+    label = f"sm90 planned walk {walk} d{d} b{b} h{h}/{hk} causal={causal}"
+    check_grads(fa2.bwd(dout, q, k, v, out, lse, causal=causal), q, k, v, dout, causal, label)
 
 
 @pytest.mark.gpu
@@ -231,3 +314,22 @@ def test_an_lse_not_on_a_16_byte_boundary_goes_to_the_mma_sync_backward(launch_o
         fa2.bwd(torch.randn_like(q), q, k, v, torch.randn_like(q), lse)
         kind, launch = recording.calls[-1]
         assert kind == "bwd" and launch["plan"]["family"] == expected, (offset, launch["plan"])
+
+
+@pytest.mark.parametrize("walk,slices", [(0, 2), (4, 2), (2, 4), (1, 8)], ids=["planned", "group", "walk_2", "walk_1"])
+def test_a_grouped_backward_writes_dk_and_dv_once_per_walk(walk, slices, launch_overrides, recording, require_kernel):
+    """CPU: 8 query heads on 2 K/V heads. The Hopper backward writes one dK/dV slice per walk (host/plan.cpp:
+    walk_heads; record mode plans whole groups): a walk of the whole group writes the caller's dk and dv in the input
+    dtype, shorter walks float32 slices the host sums afterwards; the mma.sync backward one per query head."""
+    require_kernel("bwd", 128, torch.bfloat16)
+    built = sm90_bwd_built()
+    launch_overrides(record=True, family="sm90", walk_heads=walk)
+    q = torch.randn(1, 256, 8, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 256, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    dq, dk, dv = fa2.bwd(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.zeros(1, 8, 256))
+    kind, launch = recording.calls[-1]
+    if not built:
+        slices = 8
+    assert kind == "bwd" and launch["plan"]["walk_heads"] == 8 // slices, launch["plan"]
+    assert launch["dkv_fp32"] is (slices != 2) and launch["dk_stride"] == (256 * slices * 128, slices * 128, 128)
+    assert (launch["dk"] == dk.data_ptr()) is (slices == 2) and (launch["dv"] == dv.data_ptr()) is (slices == 2)

@@ -132,8 +132,8 @@ struct KvAppendParams {
 struct BwdParams : FwdParams {
   const void* dout = nullptr;
   void* dq = nullptr;
-  void* dk = nullptr;  // (batch, seqlen_k, nheads, head_dim): one slice per *query* head;
-  void* dv = nullptr;  // the Python layer sums the groups for GQA/MQA
+  void* dk = nullptr;  // (batch, seqlen_k, slices, head_dim): one slice per query head (mma.sync) or per walk of a
+  void* dv = nullptr;  // K/V group's heads (Hopper: BwdPlan::walk_heads); ops.cpp sums a group's slices
   bool dkv_fp32 = false;  // dk/dv are float32 (GQA/MQA: the group is summed before rounding once)
   float* dq_accum = nullptr;  // (lse's rows, head_dim) fp32 workspace, zeroed by the kernels
   float* d_sum = nullptr;     // D = rowsum(dO * O), laid out like lse; fp32 workspace

@@ -63,7 +63,10 @@ struct BwdPlan {
   DType dtype = DType::bf16;
   BwdTile tile = BwdTile::kMain;
   BwdTileShape shape = {};
-  int head_group = 0;
+  int head_group = 0;  // causal: heads (Hopper: walks) dispatched heaviest block first together; 0: plain order
+  // The Hopper backward: query heads of one K/V group a tile walks, dK and dV summed in registers (host/plan.cpp);
+  // the mma.sync backward: 1 (a tile per query head, the group summed after the kernel).
+  int walk_heads = 1;
 };
 
 }  // namespace fa2

@@ -64,11 +64,11 @@ PyObject* build_info(PyObject*, PyObject*) {
 }
 
 PyObject* set_test_overrides(PyObject*, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"smem_limit", "head_group", "record", "num_splits", "family", nullptr};
-  int smem_limit = 0, head_group = 0, record = 0, num_splits = 0;
+  static const char* names[] = {"smem_limit", "head_group", "record", "num_splits", "family", "walk_heads", nullptr};
+  int smem_limit = 0, head_group = 0, record = 0, num_splits = 0, walk_heads = 0;
   const char* family = "";
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iipis:set_test_overrides", const_cast<char**>(names), &smem_limit,
-                                   &head_group, &record, &num_splits, &family)) {
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iipisi:set_test_overrides", const_cast<char**>(names), &smem_limit,
+                                   &head_group, &record, &num_splits, &family, &walk_heads)) {
     return nullptr;
   }
   const std::string f = family;
@@ -76,8 +76,8 @@ PyObject* set_test_overrides(PyObject*, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_ValueError, ("family must be '' (the plan's), 'sm80' or 'sm90', got '" + f + "'").c_str());
     return nullptr;
   }
-  if (smem_limit < 0 || head_group < 0) {
-    PyErr_SetString(PyExc_ValueError, "smem_limit and head_group must be >= 0 (0: chosen at launch)");
+  if (smem_limit < 0 || head_group < 0 || walk_heads < 0) {
+    PyErr_SetString(PyExc_ValueError, "smem_limit, head_group and walk_heads must be >= 0 (0: chosen at launch)");
     return nullptr;
   }
   if (num_splits < 0 || num_splits > fa2::kMaxSplits) {
@@ -90,6 +90,7 @@ PyObject* set_test_overrides(PyObject*, PyObject* args, PyObject* kwargs) {
   g_overrides.num_splits.store(num_splits);
   g_overrides.record.store(record != 0);
   g_overrides.family.store(f == "sm80" ? 1 : f == "sm90" ? 2 : 0);
+  g_overrides.walk_heads.store(walk_heads);
   if (record == 0) {
     std::lock_guard<std::mutex> lock(fa2::host::g_recorded_mutex);
     fa2::host::g_recorded.clear();
@@ -114,10 +115,10 @@ PyObject* fwd_plan(const fa2::FwdPlan& plan) {
 
 PyObject* bwd_plan(const fa2::BwdPlan& plan) {
   static const char* tiles[] = {"main", "deep", "small_smem"};
-  return Py_BuildValue("{s:s,s:i,s:s,s:s,s:(iiii),s:i}", "family", family_name(plan.family), "head_dim",
+  return Py_BuildValue("{s:s,s:i,s:s,s:s,s:(iiii),s:i,s:i}", "family", family_name(plan.family), "head_dim",
                        plan.head_dim, "dtype", fa2::dtype_name(plan.dtype), "tile", tiles[int(plan.tile)], "shape",
                        plan.shape.head_dim, plan.shape.block_m, plan.shape.block_n, plan.shape.stages, "head_group",
-                       plan.head_group);
+                       plan.head_group, "walk_heads", plan.walk_heads);
 }
 
 PyObject* strides(const fa2::Strides& s) { return Py_BuildValue("(LLL)", s.batch, s.row, s.head); }

@@ -315,17 +315,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
     if (d_sum_buffer) torch::stable::zero_(*d_sum_buffer);  // no key: P = 0, so dP = 0 and O = 0
     return {dq, dk, dv};
   }
-  // The kernels write dK and dV per query head. For GQA/MQA those slices are float32 and each group is summed before
-  // the one rounding to the input dtype (rounding each slice first loses accuracy).
   const int64_t nheads = q.size(-2), nheads_k = k.size(-2), head_dim = q.size(-1);
-  const bool grouped = nheads != nheads_k;
-  Tensor dk_heads = dk, dv_heads = dv;
-  if (grouped) {
-    dk_heads = varlen ? new_tensor(q, {k.size(0), nheads, head_dim}, ScalarType::Float)
-                      : new_tensor(q, {k.size(0), k.size(1), nheads, head_dim}, ScalarType::Float);
-    dv_heads = varlen ? new_tensor(q, {k.size(0), nheads, head_dim}, ScalarType::Float)
-                      : new_tensor(q, {k.size(0), k.size(1), nheads, head_dim}, ScalarType::Float);
-  }
   Tensor dq_accum = varlen ? new_tensor(q, {nheads, q.size(0), head_dim}, ScalarType::Float)
                            : new_tensor(q, {q.size(0), nheads, q.size(1), head_dim}, ScalarType::Float);
   Tensor d_sum = d_sum_buffer ? *d_sum_buffer
@@ -334,13 +324,26 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
   BwdParams p;
   fill_common(p, q, k, v, out, lse, s, softmax_scale, causal, f, cu_q, cu_k);
   p.dout = dout.data_ptr();
-  p.dq = dq.data_ptr(), p.dk = dk_heads.data_ptr(), p.dv = dv_heads.data_ptr();
+  p.dq = dq.data_ptr();
   p.dq_accum = static_cast<float*>(dq_accum.data_ptr()), p.d_sum = static_cast<float*>(d_sum.data_ptr());
   p.dout_stride = strides_of(dout), p.dq_stride = strides_of(dq);
-  p.dk_stride = strides_of(dk_heads), p.dv_stride = strides_of(dv_heads);
   p.deterministic = deterministic;
-  p.dkv_fp32 = grouped;
   const BwdPlan plan = plan_backward(p, dtype, kernel_dim, device_info(p));
+  // The kernels write dK and dV per walk (the Hopper backward's tiles walk plan.walk_heads query heads of a K/V group,
+  // the mma.sync backward's one). Where a group has several walks (GQA/MQA), those slices are float32 and each group
+  // is summed before the one rounding to the input dtype (rounding each slice first loses accuracy).
+  const int64_t slices = nheads / plan.walk_heads;
+  const bool grouped = slices != nheads_k;
+  Tensor dk_heads = dk, dv_heads = dv;
+  if (grouped) {
+    dk_heads = varlen ? new_tensor(q, {k.size(0), slices, head_dim}, ScalarType::Float)
+                      : new_tensor(q, {k.size(0), k.size(1), slices, head_dim}, ScalarType::Float);
+    dv_heads = varlen ? new_tensor(q, {k.size(0), slices, head_dim}, ScalarType::Float)
+                      : new_tensor(q, {k.size(0), k.size(1), slices, head_dim}, ScalarType::Float);
+  }
+  p.dk = dk_heads.data_ptr(), p.dv = dv_heads.data_ptr();
+  p.dk_stride = strides_of(dk_heads), p.dv_stride = strides_of(dv_heads);
+  p.dkv_fp32 = grouped;
   // The Hopper backward adds dQ from every key block into dq_accum; deterministic, it takes turns per query block.
   // Otherwise its persistent CTAs draw their tiles from a counter.
   std::optional<Tensor> dq_semaphore, tile_counter;
@@ -355,7 +358,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
   }
   launch_bwd(p, plan, q.get_device_index());
   if (grouped) {
-    const int64_t group = nheads / nheads_k;
+    const int64_t group = slices / nheads_k;
     for (auto [grad, heads] : {std::pair<Tensor*, Tensor*>{&dk, &dk_heads}, {&dv, &dv_heads}}) {
       std::vector<int64_t> split(grad->sizes().begin(), grad->sizes().end() - 1);  // (..., nheads_k)
       split.push_back(group);

@@ -3,6 +3,7 @@
 
 #include <climits>
 #include <cstdlib>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -67,11 +68,43 @@ int num_splits(const FwdParams& p, const FwdPlan& plan, int requested, const Dev
 // Causal grids go heaviest block first within groups of heads (common/schedule.h): the test override's group, or as
 // many heads as are resident at once (sm80/config.h: causal_head_group); 1 in record mode; 0 (the plain order) when
 // not causal.
-int head_group(const FwdParams& p, int resident_ctas, int blocks_per_head) {
+// heads: the grid's (the Hopper backward's walks, below); a forced group then the largest that divides them.
+int head_group(const FwdParams& p, int resident_ctas, int blocks_per_head, int heads) {
   if (!p.causal()) return 0;
   const int forced = g_overrides.head_group.load(std::memory_order_relaxed);
-  if (forced > 0) return forced;
-  return resident_ctas > 0 ? causal_head_group(p.nheads, resident_ctas, blocks_per_head) : 1;
+  if (forced > 0) return std::gcd(forced, heads);
+  return resident_ctas > 0 ? causal_head_group(heads, resident_ctas, blocks_per_head) : 1;
+}
+int head_group(const FwdParams& p, int resident_ctas, int blocks_per_head) {
+  return head_group(p, resident_ctas, blocks_per_head, p.nheads);
+}
+
+// The Hopper backward's walk (sm90/bwd_kernel.h): a tile visits `walk` query heads of one K/V group and sums their
+// dK and dV in registers, where one tile per query head would write each head's in fp32 for the host to sum (the
+// reduce and the stores cost a GQA group of 4 ~25% of its time at 1k: docs/tuning.md#sm90-backward). A walk is a
+// longer tile, and fewer tiles can leave SMs idle. Full attention's tiles are equal, so a launch takes its waves
+// times a walk: the longest walk (a divisor of the group) of the fewest such steps. Causal tiles are not (key block 0
+// sees every query), so there the whole group only while the grid keeps at least two tiles per SM, else the largest
+// divisor of the group that does, down to 1. Record mode (no SM count): the whole group. The test override forces
+// gcd(override, group).
+int walk_heads(const BwdParams& p, int block_n, int sm_count) {
+  const int group = p.nheads / p.nheads_k;
+  const int forced = g_overrides.walk_heads.load(std::memory_order_relaxed);
+  if (forced > 0) return std::gcd(forced, group);
+  if (sm_count == 0) return group;
+  const long long tiles_per_head = 1ll * ceil_div_host(p.seqlen_k, block_n) * p.batch;
+  int best = 1;
+  long long best_steps = LLONG_MAX;
+  for (int walk = group; walk >= 1; --walk) {
+    if (group % walk != 0) continue;
+    const long long tiles = tiles_per_head * (p.nheads / walk);
+    if (p.causal()) {
+      if (walk == 1 || tiles >= 2ll * sm_count) return walk;
+    } else if ((tiles + sm_count - 1) / sm_count * walk < best_steps) {
+      best = walk, best_steps = (tiles + sm_count - 1) / sm_count * walk;
+    }
+  }
+  return best;
 }
 
 // Whether the build has the Hopper family's forward or backward at (head_dim, dtype) (instantiations/axes.json).
@@ -227,12 +260,14 @@ BwdPlan plan_backward(BwdParams& p, DType dtype, int head_dim, const DeviceInfo&
   plan.family = backward_family(p, dtype, head_dim, device);
   if (plan.family == Family::kSm90) {
     plan.shape = sm90::bwd_tile(plan.head_dim, p.causal());  // one tile per head dim and causality
+    plan.walk_heads = walk_heads(p, plan.shape.block_n, device.sm_count);
   } else {
     plan.tile = bwd_tile_for(plan.head_dim, device.smem_limit, device.code_arch >= 90);
     plan.shape = bwd_tile_shape(plan.tile, plan.head_dim);
   }
   // Either family: one CTA per SM (sm80: 8 warps of ~250 registers), causal key blocks heaviest first in head groups.
-  p.head_group = plan.head_group = head_group(p, device.sm_count, ceil_div_host(p.seqlen_k, plan.shape.block_n));
+  p.head_group = plan.head_group = head_group(p, device.sm_count, ceil_div_host(p.seqlen_k, plan.shape.block_n),
+                                              p.nheads / plan.walk_heads);
   return plan;
 }
 

@@ -49,6 +49,7 @@ struct TestOverrides {
   std::atomic<int> num_splits{0};  // forwards: split-KV's split count (sm80/config.h: fwd_num_splits), 1..kMaxSplits
   std::atomic<bool> record{false};  // record each launch's parameters instead of launching (CPU tests)
   std::atomic<int> family{0};       // forwards: 1 mma.sync, 2 Hopper where it serves; 0 the plan's choice
+  std::atomic<int> walk_heads{0};   // the Hopper backward's walk: gcd(walk_heads, the K/V group) query heads a tile
 };
 inline TestOverrides g_overrides;
 

@@ -1,9 +1,11 @@
 // The Hopper backward (fa2.reference.flash_bwd_tiled's inner loop, KV-stationary), warp-specialized. A tile is a
-// (key block, head, batch); a persistent CTA per SM takes them one after another from a counter (config.h:
-// bwd_persistent: d64, d128's causal tile), or one CTA per tile runs (the other tiles, deterministic mode). Warp 0
-// of warpgroup 0 draws the tiles, loads each tile's K and V once and streams Q and dO (with lse and D) of every query
-// block that sees those keys through TMA rings; warpgroups 1 and 2 own 64 keys each, keep dK and dV in registers for
-// the whole stream, and stage each query block's dQ share in shared memory, which warp 1 of warpgroup 0 adds into the
+// (key block, walk, batch), a walk being the query heads of one K/V head that the tile visits in turn (GQA/MQA: its
+// whole group where the plan finds enough tiles, host/plan.cpp; MHA: one head); a persistent CTA per SM takes them one
+// after another from a counter (config.h: bwd_persistent: d64, d128's causal tile), or one CTA per tile runs (the
+// other tiles, deterministic mode). Warp 0 of warpgroup 0 draws the tiles, loads each tile's K and V once and streams
+// Q and dO (with lse and D) of every query block of the walk's heads that sees those keys through TMA rings;
+// warpgroups 1 and 2 own 64 keys each, keep dK and dV in registers for the whole stream (so a group's sum costs no
+// memory traffic), and stage each query block's dQ share in shared memory, which warp 1 of warpgroup 0 adds into the
 // fp32 dq_accum by TMA reduce-add. The next tile's first Q and dO land while this one ends, and its K and V once this
 // one's last GEMM that reads them retired. d256 keeps the prologue, the producer and the writer (which takes its
 // dQ per 128-column half); its MMA warpgroups are bwd_mma_wide.h's.
@@ -77,19 +79,22 @@ __device__ __forceinline__ void pass_turn(int* semaphore) {
 }
 
 // What the tile at (x, y, batch) of the dispatch order covers: blockIdx in a grid of one CTA per tile, or tile t of a
-// persistent CTA taken apart as blockIdx would be (key blocks fastest, then heads, then batch entries): the CTAs
-// running together read one head's Q and dO (L2 hits). Causal: key block 0 (seen by every query) is the heaviest; the
-// heaviest blocks of a group of heads go first, except in deterministic mode, where the lightest go first (the turn
-// order above). Bottom-right aligned: query i sees key j iff j <= i + diagonal (causal); the query blocks that see a
-// key of the block are [m_begin, m_end). A padded batch's every key sees some query, so that range is never empty
-// there; the code still writes dK = dV = 0 for an empty one. The walk: m_end - m_begin blocks from m_first, wrapping
-// from m_end to m_begin. Deterministic full attention (p.dq_rotate) starts key block n at m_begin + n mod the count,
-// so a head's CTAs add into different query blocks at each step instead of queueing behind key block 0; otherwise
-// m_first = m_begin. The producer, both MMA warpgroups and the dQ writer walk the same order; the pipeline stages
-// follow it.
+// persistent CTA taken apart as blockIdx would be (key blocks fastest, then walks, then batch entries): the CTAs
+// running together read one head's Q and dO (L2 hits), a walk's heads one after another. Causal: key block 0 (seen
+// by every query) is the heaviest; the heaviest blocks of a group of walks go first, except in deterministic mode,
+// where the lightest go first (the turn order above). Bottom-right aligned: query i sees key j iff j <= i + diagonal
+// (causal); the query blocks that see a key of the block are [m_begin, m_end). A padded batch's every key sees some
+// query, so that range is never empty there; the code still writes dK = dV = 0 for an empty one. Per head, the tile
+// visits m_end - m_begin blocks from m_first, wrapping from m_end to m_begin. Deterministic full attention
+// (p.dq_rotate) starts key block n at m_begin + n mod the count, so a head's CTAs add into different query blocks at
+// each step instead of queueing behind key block 0; otherwise m_first = m_begin. The walk's heads (from `head`, its
+// first) take that order in turn: `steps` query blocks in all. The producer, both MMA warpgroups and the dQ writer
+// visit the same order; the pipeline stages follow it.
 struct BwdWork {
-  int n_block, head, batch, m_begin, m_end, m_first;
+  int n_block, head, batch, m_begin, m_end, m_first, steps;
   __device__ __forceinline__ int next(int m) const { return m + 1 == m_end ? m_begin : m + 1; }
+  // After next(m): the walk has come round to the next head.
+  __device__ __forceinline__ bool new_head(int m) const { return m == m_first; }
 };
 
 template <int kBlockM, int kBlockN, class Params>
@@ -101,7 +106,7 @@ __device__ __forceinline__ BwdWork bwd_work(Params const& p, int x, int y, int b
   const int m_begin = p.causal ? max(b.block * kBlockN - diagonal, 0) / kBlockM : 0;
   const int m_end = ceil_div(p.seqlen_q, kBlockM), m_count = m_end - m_begin;
   const int m_first = p.dq_rotate && m_count > 0 ? m_begin + b.block % m_count : m_begin;
-  return {b.block, b.head, batch, m_begin, m_end, m_first};
+  return {b.block, b.head * p.walk_heads, batch, m_begin, m_end, m_first, max(m_count, 0) * p.walk_heads};
 }
 
 template <class Traits>
@@ -120,7 +125,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   const int warp = cutlass::canonical_warp_idx_sync();
   const int warpgroup = cutlass::canonical_warp_group_idx();
   constexpr bool kPersistent = Traits::kPersistent;
-  const int num_tiles = p.n_blocks * p.nheads * p.batch;
+  const int num_tiles = p.n_blocks * p.tile_heads * p.batch;
   constexpr int kTileReaders = Traits::kMmaThreads + 32;  // + the dQ writer warp
   if (warp == 0 && cute::elect_one_sync()) {
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
@@ -157,7 +162,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   // mode their ticket taken apart as blockIdx would be.
   auto work_of = [&](int t) {
     if constexpr (kPersistent) {
-      return bwd_work<kBlockM, kBlockN>(p, t % p.n_blocks, t / p.n_blocks % p.nheads, t / p.n_blocks / p.nheads);
+      const int walks = p.tile_heads;
+      return bwd_work<kBlockM, kBlockN>(p, t % p.n_blocks, t / p.n_blocks % walks, t / p.n_blocks / walks);
     } else if (p.dq_semaphore) {
       return bwd_work<kBlockM, kBlockN>(p, t % int(gridDim.x), t / int(gridDim.x) % int(gridDim.y),
                                         t / int(gridDim.x * gridDim.y));
@@ -208,15 +214,15 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
           cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty);
           cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + 1);
         }
-        Tensor mdQ = p.tma_dq.get_tma_tensor(p.shape_q)(_, _, w.head, w.batch);      // (rows, d)
-        Tensor gdQ = local_tile(mdQ, typename Traits::dQSlab{}, make_coord(_, _));  // (M, 64, m, slab)
         // Deterministic: the adds into a query block's dQ in a fixed order (wait_for_turn), so the sums round the
         // same every run. The semaphores are (query block, batch, head): the heads polling at once sit on different
         // lines.
-        int* semaphore = p.dq_semaphore ? p.dq_semaphore + w.batch * p.nheads + w.head : nullptr;
         const int semaphore_stride = p.batch * p.nheads;
         const RotatedTurns rotated(n_block, p.n_blocks, max(m_count, 1));
-        for (int i = 0, m = w.m_first; i < m_count; ++i, m = w.next(m)) {
+        for (int i = 0, m = w.m_first, head = w.head; i < w.steps; ++i, m = w.next(m), head += w.new_head(m)) {
+          Tensor mdQ = p.tma_dq.get_tma_tensor(p.shape_q)(_, _, head, w.batch);      // (rows, d)
+          Tensor gdQ = local_tile(mdQ, typename Traits::dQSlab{}, make_coord(_, _));  // (M, 64, m, slab)
+          int* semaphore = p.dq_semaphore ? p.dq_semaphore + w.batch * p.nheads + head : nullptr;
           if (semaphore && leader) {
             const int visitors = p.causal ? min(p.n_blocks, (m * kBlockM + kBlockM - 1 + diagonal) / kBlockN + 1)
                                           : p.n_blocks;
@@ -226,7 +232,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
           __syncwarp();
           CUTE_UNROLL
           for (int h = 0; h < kHalves; ++h) {
-            const bool last = i + 1 == m_count && h + 1 == kHalves;
+            const bool last = i + 1 == w.steps && h + 1 == kHalves;
             CUTE_UNROLL
             for (int wg = 0; wg < kBwdMmaWarpgroups; ++wg) {
               Tensor sdQw = make_tensor(
@@ -275,26 +281,28 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       const BwdWork w = work_of(t);
       const int m_count = w.m_end - w.m_begin, head_kv = w.head / p.head_group_kv;
       if (m_count <= 0) continue;
-      Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, w.head, w.batch);  // (rows, d)
-      Tensor mdO = p.tma_do.get_tma_tensor(p.shape_q)(_, _, w.head, w.batch);
       Tensor mK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, w.batch);
       Tensor mV = p.tma_v.get_tma_tensor(p.shape_k)(_, _, head_kv, w.batch);
-      Tensor gQ = local_tile(mQ, Shape<M, D>{}, make_coord(_, _0{}));  // (M, d, query blocks)
-      Tensor gdO = local_tile(mdO, Shape<M, D>{}, make_coord(_, _0{}));
       Tensor gK = local_tile(mK, Shape<N, D>{}, make_coord(w.n_block, _0{}));  // (N, d)
       Tensor gV = local_tile(mV, Shape<N, D>{}, make_coord(w.n_block, _0{}));
-      auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto [tdOgdO, tdOsdO] =
-          tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
       auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-      // lse and D of query block m: a box of the flat buffers from this head's first row rounded down to 4 floats.
-      const int stats_row = (w.batch * p.nheads + w.head) * p.seqlen_q, stats0 = stats_row & ~3;
       Tensor mLse = p.tma_lse.get_tma_tensor(make_shape(p.stats_total));
       Tensor mD = p.tma_d.get_tma_tensor(make_shape(p.stats_total));
       using SB = typename Traits::StatsBox;
 #pragma unroll 1
-      for (int i = 0, m = w.m_first; i < m_count; ++i, m = w.next(m), ++stage, ++do_stage) {
+      for (int i = 0, m = w.m_first, head = w.head; i < w.steps;
+           ++i, m = w.next(m), head += w.new_head(m), ++stage, ++do_stage) {
+        Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, w.batch);  // (rows, d)
+        Tensor mdO = p.tma_do.get_tma_tensor(p.shape_q)(_, _, head, w.batch);
+        Tensor gQ = local_tile(mQ, Shape<M, D>{}, make_coord(_, _0{}));  // (M, d, query blocks)
+        Tensor gdO = local_tile(mdO, Shape<M, D>{}, make_coord(_, _0{}));
+        auto [tQgQ, tQsQ] =
+            tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        auto [tdOgdO, tdOsdO] =
+            tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+        // lse and D of query block m: a box of the flat buffers from this head's first row rounded down to 4 floats.
+        const int stats0 = ((w.batch * p.nheads + head) * p.seqlen_q) & ~3;
         q_pipe.producer_acquire(stage);  // waits for the stage to be free, then expects its bytes (Q's and lse's)
         copy(p.tma_q.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, m),
              tQsQ(_, stage.index()));
@@ -379,10 +387,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       const int t = take_tile(tile_i);
       if (t >= num_tiles) break;
       const BwdWork w = work_of(t);
-      const int n_block = w.n_block, head = w.head, batch = w.batch, m_count = w.m_end - w.m_begin;
+      const int n_block = w.n_block, batch = w.batch, m_count = w.m_end - w.m_begin;
       // From the parameters (uniform), not from w: as a field of w it took a register and the 80-row tile spilled.
       const int diagonal = p.seqlen_k - p.seqlen_q;
-      const int stats_shift = ((batch * p.nheads + head) * p.seqlen_q) & 3;  // this head's first row in the stats box
+      // The walk's head's first row in the stats box: each next head's starts seqlen_q rows later.
+      int stats_shift = ((batch * p.nheads + w.head) * p.seqlen_q) & 3;
       clear(tdKrdK);
       clear(tdVrdV);
       if (m_count > 0 && !slab_used) {
@@ -391,7 +400,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         slab_used = true;
       }
       if (m_count > 0) shared.kv_full.wait(kv_loads++ & 1);
-      for (int i = 0, m = w.m_first; i < m_count; ++i, m = w.next(m), ++stage) {
+      for (int i = 0, m = w.m_first; i < w.steps;
+           ++i, m = w.next(m), stats_shift = (stats_shift + (w.new_head(m) ? p.seqlen_q : 0)) & 3, ++stage) {
         const int s = stage.index(), query0 = m * kBlockM, key0 = n_block * kBlockN;
         // S^T = K Q^T and dP^T = V dO^T, both in flight; P's exp2 overlaps dP's GEMM.
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<N, M>{});
@@ -466,7 +476,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         // dK += dS^T Q, dS^T from registers; returns once dQ's GEMM retired.
         Tensor tdKrdS = make_tensor(rdS.data(), as_operand_a(tdPrdP.layout()));
         warpgroup_gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, s), tdKrdK);
-        if (kPersistent && i + 1 == m_count) shared.kv_empty.arrive();  // its last reads of K and V retired with dQ's GEMM
+        if (kPersistent && i + 1 == w.steps) shared.kv_empty.arrive();  // its last reads of K and V retired with dQ's GEMM
         warpgroup_fence_operand(tdQrdQ);
         // This key block's share of dQ to the writer warp, while dK's GEMM runs: into the slab once the writer's
         // previous reduce has read it, then made visible to TMA (the async proxy).
@@ -477,14 +487,15 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       }
 
       // ------------------------------------------------------------------------------------------ epilogue
-      // dK = softmax_scale * sum dS^T Q (reference: dk = scale * ds^T q) and dV, for this query head's slice: rows past
-      // seqlen_k are not written. Element pairs, or fp32 pairs where a GQA group is summed by the host afterwards.
+      // dK = softmax_scale * sum dS^T Q (reference: dk = scale * ds^T q) and dV, for this walk's slice: rows past
+      // seqlen_k are not written. Element pairs, or fp32 pairs where the host sums a group's walks afterwards.
       Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<N, D>{}));
       Tensor cKV_rc = make_tensor(cKV.data(), rowcol(cKV.layout()));  // (keys, columns)
       Tensor dk = make_tensor(tdKrdK.data(), rowcol(tdKrdK.layout()));
       Tensor dv = make_tensor(tdVrdV.data(), rowcol(tdVrdV.layout()));
-      const int64_t dk_base = batch * p.dk_batch_stride + head * p.dk_head_stride;
-      const int64_t dv_base = batch * p.dv_batch_stride + head * p.dv_head_stride;
+      const int slice = w.head / p.walk_heads;
+      const int64_t dk_base = batch * p.dk_batch_stride + slice * p.dk_head_stride;
+      const int64_t dv_base = batch * p.dv_batch_stride + slice * p.dv_head_stride;
       cutlass::NumericArrayConverter<Element, float, 2> cvt;
       CUTE_UNROLL
       for (int r = 0; r < size<0>(dk); ++r) {

@@ -28,6 +28,8 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   static_assert(Traits::kSmemSize <= bwd_smem_bytes(kTile), "config.h sizes the tile");
   if (plan.family != Family::kSm90 || plan.head_dim != kHeadDim || p.head_dim != kHeadDim ||
       plan.shape.block_m != Traits::kBlockM ||  // ops.cpp sizes the deterministic semaphores with it
+      plan.walk_heads < 1 || p.nheads % p.nheads_k != 0 || (p.nheads / p.nheads_k) % plan.walk_heads != 0 ||
+      p.dkv_fp32 != (plan.walk_heads != p.nheads / p.nheads_k) ||  // ops.cpp's slices: fp32 where the host sums
       p.cu_seqlens_q != nullptr || p.deterministic != (p.dq_semaphore != nullptr) || p.rng_state != nullptr ||
       p.softcap_in > 0.f ||
       p.alibi_slopes != nullptr || p.window_left >= 0 || p.window_right > 0 ||
@@ -76,6 +78,7 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   k.dk_row_stride = p.dk_stride.row, k.dk_head_stride = p.dk_stride.head, k.dk_batch_stride = p.dk_stride.batch;
   k.dv_row_stride = p.dv_stride.row, k.dv_head_stride = p.dv_stride.head, k.dv_batch_stride = p.dv_stride.batch;
   k.seqlen_q = p.seqlen_q, k.seqlen_k = p.seqlen_k, k.nheads = p.nheads, k.head_group_kv = p.nheads / p.nheads_k;
+  k.walk_heads = plan.walk_heads, k.tile_heads = p.nheads / plan.walk_heads;
   k.scale_log2 = p.scale_log2, k.softmax_scale = p.softmax_scale;
   k.causal = p.causal();
   k.head_group = p.head_group;
@@ -107,15 +110,15 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
 
   constexpr auto kernel = &bwd_kernel<Traits>;
   allow_smem<kernel>(smem, "sm90 bwd smem");
-  // Tiles (key block, head, batch), key blocks fastest: the CTAs of a head run together and share its Q and dO in
-  // L2; causal: heaviest first within groups of heads (the plan's head_group). One persistent CTA per SM draws them
+  // Tiles (key block, walk, batch), key blocks fastest: the CTAs of a walk run together and share its heads' Q and dO
+  // in L2; causal: heaviest first within groups of walks (the plan's head_group). One persistent CTA per SM draws them
   // from a counter (the preprocess zeroes it), so a tile's start overlaps the previous one's end, where that pays
   // (config.h: bwd_persistent). Deterministic mode keeps a CTA per tile (its turns assume every key block of a head
   // can run at once).
-  const int tiles = n_blocks * p.nheads * p.batch;
+  const int tiles = n_blocks * k.tile_heads * p.batch;
   const bool persistent = Traits::kPersistent && p.dq_semaphore == nullptr && p.tile_counter != nullptr;
   k.tile_counter = persistent ? p.tile_counter : nullptr;
-  const dim3 grid = !Traits::kPersistent ? dim3(n_blocks, p.nheads, p.batch)
+  const dim3 grid = !Traits::kPersistent ? dim3(n_blocks, k.tile_heads, p.batch)
                     : persistent         ? dim3(std::min(tiles, device_sm_count()))
                                          : dim3(tiles);
   kernel<<<grid, kBwdThreads, smem, stream>>>(k);

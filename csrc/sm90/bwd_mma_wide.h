@@ -30,13 +30,13 @@ __device__ __forceinline__ auto half_slice(T&& t) {
 // dV^T's reads (each warpgroup's dV^T reads all 64 keys), the dS writes from dQ's and dK^T's reads.
 constexpr int kPdSBarrier = 0;
 
-// w: the tile (bwd_kernel.h's BwdWork): its key block, head, batch and the query blocks it walks, in the producer's
+// w: the tile (bwd_kernel.h's BwdWork): its key block, walk, batch and the query blocks it walks, in the producer's
 // order.
 template <class Traits, class Work>
 __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, typename Traits::SharedStorage& shared,
                                              typename Traits::Pipeline& q_pipe, typename Traits::PipelinedO& do_pipe,
                                              Work const& w) {
-  const int n_block = w.n_block, head = w.head, batch = w.batch, m_begin = w.m_begin, m_end = w.m_end;
+  const int n_block = w.n_block, batch = w.batch, m_begin = w.m_begin, m_end = w.m_end;
   using Element = typename Traits::Element;
   using M = typename Traits::M;
   using N = typename Traits::N;
@@ -94,13 +94,15 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<M, N>{}));
     Tensor cS_rc = make_tensor(cS.data(), rowcol(cS.layout()));  // (queries, keys)
     constexpr int kRows = decltype(size<0>(cS_rc))::value;       // queries per thread
-    const int stats_shift = ((batch * p.nheads + head) * p.seqlen_q) & 3;  // this head's first row in the stats box
+    // The walk's head's first row in the stats box: each next head's starts seqlen_q rows later.
+    int stats_shift = ((batch * p.nheads + w.head) * p.seqlen_q) & 3;
     const int diagonal = p.seqlen_k - p.seqlen_q;
 
     shared.kv_full.wait(0);
     typename Traits::PipelineState stage;
     typename Traits::PipelineStatedO do_stage;
-    for (int i = 0, m = w.m_first; i < m_end - m_begin; ++i, m = w.next(m), ++stage, ++do_stage) {
+    for (int i = 0, m = w.m_first; i < w.steps; ++i, m = w.next(m),
+             stats_shift = (stats_shift + (w.new_head(m) ? p.seqlen_q : 0)) & 3, ++stage, ++do_stage) {
       const int s = stage.index(), query0 = m * kBlockM, key0 = n_block * kBlockN;
       // S = Q K^T and dP = dO V^T, both in flight; P's exp2 overlaps dP's GEMM.
       Tensor tSrS = partition_fragment_C(mma_sdp, Shape<M, N>{});
@@ -194,16 +196,17 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
   }
 
   // ------------------------------------------------------------------------------------------ epilogue
-  // dK = softmax_scale * sum Q^T dS, transposed (reference: dk = scale * ds^T q), and dV, for this query head's slice;
+  // dK = softmax_scale * sum Q^T dS, transposed (reference: dk = scale * ds^T q), and dV, for this walk's slice;
   // keys past seqlen_k are not written. The registers hold (dims, keys), a thread's pairs two keys of one dim; lanes l
   // and l ^ 4 hold neighbouring dims at the same keys, so one swap gives each a pair of dims at one key, written as
-  // bwd_kernel.h writes them (Element pairs, or fp32 pairs where the host sums a GQA group afterwards).
+  // bwd_kernel.h writes them (Element pairs, or fp32 pairs where the host sums a group's walks afterwards).
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<D, N>{}));
   Tensor cKV_rc = make_tensor(cKV.data(), rowcol(cKV.layout()));  // (dims, keys)
   Tensor dk = make_tensor(tdKrdK.data(), rowcol(tdKrdK.layout()));
   Tensor dv = make_tensor(tdVrdV.data(), rowcol(tdVrdV.layout()));
-  const int64_t dk_base = batch * p.dk_batch_stride + head * p.dk_head_stride;
-  const int64_t dv_base = batch * p.dv_batch_stride + head * p.dv_head_stride;
+  const int slice = w.head / p.walk_heads;
+  const int64_t dk_base = batch * p.dk_batch_stride + slice * p.dk_head_stride;
+  const int64_t dv_base = batch * p.dv_batch_stride + slice * p.dv_head_stride;
   const int upper = (threadIdx.x >> 2) & 1;  // this lane holds the odd dim of its pair
   cutlass::NumericArrayConverter<Element, float, 2> cvt;
   CUTE_UNROLL

@@ -207,19 +207,21 @@ struct BwdKernelParams {
   typename Traits::ShapeQKV shape_q, shape_k;  // (seqlen, head dim, heads, batch); shape_k's heads are nheads_k
   int32_t stats_total;  // batch * nheads * seqlen_q: lse's and d_sum's length (lse: natural log, -inf: no key seen;
                         // d_sum: D = rowsum(dO * O), which the preprocess writes)
-  void* dk;            // (batch, seqlen_k, nheads, head dim): one slice per query head, Element or fp32 (dkv_fp32)
-  void* dv;
+  void* dk;  // (batch, seqlen_k, nheads / walk_heads, head dim): one slice per walk, Element, or fp32 (dkv_fp32) where
+  void* dv;  // a K/V group has several walks, which the host sums
   int64_t dk_row_stride, dk_head_stride, dk_batch_stride;
   int64_t dv_row_stride, dv_head_stride, dv_batch_stride;
   bool dkv_fp32;
   int seqlen_q, seqlen_k, nheads, head_group_kv;  // head_group_kv: query heads per K/V head
+  int walk_heads;  // query heads a tile walks (of one K/V group; bwd_kernel.h: BwdWork), summing dK and dV in registers
+  int tile_heads;  // nheads / walk_heads
   float scale_log2;     // softmax_scale * log2(e)
   float softmax_scale;  // dK's scale (dQ's is the convert kernel's)
   bool causal;
-  int head_group;  // causal: key blocks go heaviest first within groups of heads (common/schedule.h); 0: grid order
+  int head_group;  // causal: key blocks go heaviest first within groups of walks (common/schedule.h); 0: grid order
   int* dq_semaphore;  // deterministic: (query block, batch, head) -> key blocks whose dQ share is in, then the tickets
   int m_blocks;       // query blocks per head
-  int n_blocks, batch;  // the tiles: n_blocks x nheads x batch, key blocks fastest (bwd_kernel.h: bwd_work)
+  int n_blocks, batch;  // the tiles: n_blocks x tile_heads x batch, key blocks fastest (bwd_kernel.h: bwd_work)
   int* tile_counter;    // persistent launch: tiles handed out past the first gridDim.x (zeroed before it); else null
   bool dq_rotate;     // deterministic full attention: key block n walks from query block n mod m_blocks (bwd_kernel.h)
 };

@@ -40,10 +40,10 @@ constexpr bool fwd_serves(int head_dim, int seqlen_q, bool kvcache, int /*window
   return fwd_has_tile(head_dim) && seqlen_q > 64 && !kvcache;
 }
 
-// The backward (bwd_kernel.h; docs/tuning.md#sm90-backward). A CTA per (key block, head, batch), or a persistent CTA
-// per SM taking such tiles in turn (bwd_persistent): a producer warpgroup (TMA: K and V once a tile, Q (two stages)
-// and dO with lse and D per query block; a dQ writer warp) and two MMA warpgroups, which walk the query blocks that
-// see their keys.
+// The backward (bwd_kernel.h; docs/tuning.md#sm90-backward). A CTA per (key block, walk of query heads, batch), or a
+// persistent CTA per SM taking such tiles in turn (bwd_persistent): a producer warpgroup (TMA: K and V once a tile, Q
+// (two stages) and dO with lse and D per query block; a dQ writer warp) and two MMA warpgroups, which walk the query
+// blocks that see their keys, head after head.
 // d64 and d128: 64 keys per warpgroup: S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory, dV += P^T dO and
 // dK += dS^T Q with P^T and dS^T from registers, dQ = dS K with dS through shared memory, staged in shared memory and
 // added into the fp32 dq_accum by the writer's TMA reduce-add. Two dO stages. d128: 80 queries x 128 keys for full
@@ -82,9 +82,9 @@ constexpr int bwd_smem_bytes(BwdTileShape t) {
          t.block_m * (wide ? 128 : t.head_dim) * 4 + 1024;
 }
 
-// What the backward of this family computes so far: padded batches, any lengths, MHA/GQA/MQA (dK and dV per query
-// head, as the mma.sync backward writes them), full or causal attention, deterministic or not, at the compiled head
-// dims exactly. Varlen, windows, softcap, ALiBi and dropout run on the mma.sync family, by the plan.
+// What the backward of this family computes so far: padded batches, any lengths, MHA/GQA/MQA (a tile walks the query
+// heads of a K/V group, host/plan.cpp: walk_heads), full or causal attention, deterministic or not, at the compiled
+// head dims exactly. Varlen, windows, softcap, ALiBi and dropout run on the mma.sync family, by the plan.
 constexpr bool bwd_serves(int head_dim, bool varlen, int window_left, int window_right, bool softcap, bool alibi,
                           bool dropout, bool deterministic) {
   return bwd_has_tile(head_dim) && !varlen && window_left < 0 && window_right <= 0 && !softcap && !alibi && !dropout;
