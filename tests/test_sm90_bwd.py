@@ -169,26 +169,29 @@ def test_a_tile_walks_the_query_heads_of_a_kv_group(d, b, sq, sk, h, hk, walk, c
         assert grids == [], grids
 
 
-PLANNED = [(128, False, 1, 16, 1), (128, False, 16, 16, 4), (128, False, 3, 32, 4), (128, False, 1, 32, 8),
-           (256, True, 1, 8, 1), (256, True, 16, 8, 2), (256, True, 3, 16, 2)]
+PLANNED = [(128, False, False, 1, 16, 1), (128, False, False, 16, 16, 4), (128, False, False, 3, 32, 4),
+           (128, False, False, 1, 32, 8), (256, True, False, 1, 8, 1), (256, True, False, 16, 8, 2),
+           (256, True, False, 3, 16, 2), (256, True, True, 16, 8, 2), (256, True, True, 16, 16, 2)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,causal,b,h,hk", PLANNED, ids=["d128_b1_mqa", "d128_b16_gqa4", "d128_b3_gqa8",
-                                                           "d128_b1_gqa4", "d256_causal_b1_mqa", "d256_causal_b16_gqa4",
-                                                           "d256_causal_b3_gqa8"])
-def test_the_plan_walks_whole_groups_where_the_grid_stays_full(d, causal, b, h, hk, launch_overrides, require_kernel):
+@pytest.mark.parametrize("d,causal,deterministic,b,h,hk", PLANNED, ids=[
+    "d128_b1_mqa", "d128_b16_gqa4", "d128_b3_gqa8", "d128_b1_gqa4", "d256_causal_b1_mqa", "d256_causal_b16_gqa4",
+    "d256_causal_b3_gqa8", "d256_causal_deterministic_b16_gqa4", "d256_causal_deterministic_b16_gqa8"])
+def test_the_plan_walks_whole_groups_where_the_grid_stays_full(d, causal, deterministic, b, h, hk, launch_overrides,
+                                                               require_kernel):
     """The plan's walk (host/plan.cpp: walk_heads), read from the grid of a tile that runs a CTA per tile (key blocks
     x walks x batch: d128's full-attention tile, d256's), 1024 tokens: full attention, whose tiles are equal, the
-    longest walk of the fewest waves x walk; causal the whole group while the grid keeps two tiles per SM, else the
-    largest divisor of the group that does, down to a tile per query head."""
+    longest walk of the fewest waves x walk; causal the whole group while the grid keeps two tiles per SM (twelve in
+    deterministic mode, whose heaviest tiles run last), else the largest divisor of the group that does, down to a
+    tile per query head."""
     require_kernel("bwd", d, torch.bfloat16)
     launch_overrides(family="sm90")
     q = randn(b, 1024, h, d)
     k, v = (randn(b, 1024, hk, d) for _ in range(2))
     out, lse = fa2.fwd(q, k, v, causal=causal)
     dout = torch.randn_like(out)
-    grids = bwd_kernel_grids(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=causal))
+    grids = bwd_kernel_grids(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic))
     if not hopper_bwd_expected(d):
         assert grids == [], grids
         return
@@ -196,12 +199,13 @@ def test_the_plan_walks_whole_groups_where_the_grid_stays_full(d, causal, b, h, 
     blocks = 1024 // (64 if d == 256 else 128)  # config.h: bwd_tile
     walks = [w for w in range(group, 0, -1) if group % w == 0]  # longest first
     if causal:
-        walk = next(w for w in walks if w == 1 or blocks * b * (h // w) >= 2 * sms)
+        walk = next(w for w in walks if w == 1 or blocks * b * (h // w) >= (12 if deterministic else 2) * sms)
     else:
         walk = min(walks, key=lambda w: -(-blocks * b * (h // w) // sms) * w)  # min keeps the first (longest) of ties
     assert grids == [(blocks, h // walk, b)], (grids, walk)
-    label = f"sm90 planned walk {walk} d{d} b{b} h{h}/{hk} causal={causal}"
-    check_grads(fa2.bwd(dout, q, k, v, out, lse, causal=causal), q, k, v, dout, causal, label)
+    label = f"sm90 planned walk {walk} d{d} b{b} h{h}/{hk} causal={causal} deterministic={deterministic}"
+    grads = fa2.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+    check_grads(grads, q, k, v, dout, causal, label)
 
 
 @pytest.mark.gpu

@@ -85,8 +85,9 @@ int head_group(const FwdParams& p, int resident_ctas, int blocks_per_head) {
 // longer tile, and fewer tiles can leave SMs idle. Full attention's tiles are equal, so a launch takes its waves
 // times a walk: the longest walk (a divisor of the group) of the fewest such steps. Causal tiles are not (key block 0
 // sees every query), so there the whole group only while the grid keeps at least two tiles per SM, else the largest
-// divisor of the group that does, down to 1. Record mode (no SM count): the whole group. The test override forces
-// gcd(override, group).
+// divisor of the group that does, down to 1; deterministic, twelve: its CTAs start lightest first (bwd_kernel.h's
+// turns), so the heaviest tiles end the launch, and a walk multiplies that tail (docs/tuning.md#sm90-backward). Record
+// mode (no SM count): the whole group. The test override forces gcd(override, group).
 int walk_heads(const BwdParams& p, int block_n, int sm_count) {
   const int group = p.nheads / p.nheads_k;
   const int forced = g_overrides.walk_heads.load(std::memory_order_relaxed);
@@ -99,7 +100,7 @@ int walk_heads(const BwdParams& p, int block_n, int sm_count) {
     if (group % walk != 0) continue;
     const long long tiles = tiles_per_head * (p.nheads / walk);
     if (p.causal()) {
-      if (walk == 1 || tiles >= 2ll * sm_count) return walk;
+      if (walk == 1 || tiles >= (p.deterministic ? 12ll : 2ll) * sm_count) return walk;
     } else if ((tiles + sm_count - 1) / sm_count * walk < best_steps) {
       best = walk, best_steps = (tiles + sm_count - 1) / sm_count * walk;
     }
