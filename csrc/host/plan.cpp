@@ -101,8 +101,8 @@ int walk_heads(const BwdParams& p, int block_n, int sm_count) {
     const long long tiles = tiles_per_head * (p.nheads / walk);
     if (p.causal()) {
       if (walk == 1 || tiles >= (p.deterministic ? 12ll : 2ll) * sm_count) return walk;
-    } else if ((tiles + sm_count - 1) / sm_count * walk < best_steps) {
-      best = walk, best_steps = (tiles + sm_count - 1) / sm_count * walk;
+    } else if (const long long steps = (tiles + sm_count - 1) / sm_count * walk; steps < best_steps) {
+      best = walk, best_steps = steps;  // waves x walk
     }
   }
   return best;
