@@ -227,16 +227,8 @@ def run_varlen(args):
     mean = max(1, round(total / len(lengths)))
     dense = [torch.randn(len(lengths), mean, h, d, device="cuda", dtype=dt, requires_grad=True) for _ in range(3)]
 
-    def varlen_fn(family, causal):
-        def run(q, k, v):
-            if family:
-                fa2._C.set_test_overrides(family=family)  # test-only (csrc/CONTRACT.md): this family where it serves
-            try:
-                return fa2.attention_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=causal)
-            finally:
-                if family:
-                    fa2._C.set_test_overrides()
-        return run
+    def varlen_fn(causal):
+        return lambda q, k, v: fa2.attention_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=causal)
 
     print("# TFLOP/s count the real tokens' work only (FA2 formula per sequence), so padding shows as lost throughput;")
     print(f"# fa2_dense: {len(lengths)}x{mean} (the same tokens, equal lengths), counted on its own work")
@@ -244,8 +236,8 @@ def run_varlen(args):
     for causal in (False, True):
         work = sum(common.flops(1, h, n, n, d, causal) for n in lengths)
         runs = {
-            "fa2_varlen": (varlen_fn(None, causal), packed, work),
-            "fa2_varlen_sm80": (varlen_fn("sm80", causal), packed, work),
+            "fa2_varlen": (varlen_fn(causal), packed, work),
+            "fa2_varlen_sm80": (varlen_fn(causal), packed, work),  # the mma.sync family, forward and backward
             "fa2_dense": (attention_fn("fa2", causal, fa2), dense,
                           common.flops(len(lengths), h, mean, mean, d, causal)),
             "fa2_padded": (attention_fn("fa2", causal, fa2), padded, work),
@@ -254,7 +246,8 @@ def run_varlen(args):
         for mode in modes:
             cells, rate = [], {}
             for name, (fn, (q, k, v), flops) in runs.items():
-                ms = common.time_ms(step_fn(fn, mode, q, k, v, torch.randn_like(q)))
+                step = step_fn(fn, mode, q, k, v, torch.randn_like(q))
+                ms = common.time_ms(forced_step("fa2_sm80", step) if name.endswith("_sm80") else step)
                 tflops = rate[name] = flops * common.MODE_FLOPS[mode] / ms / 1e9
                 cells.append(f"{name} {ms:7.3f} ms {tflops:6.1f} TFLOP/s")
                 rows.write(impl=name, mode=mode, dtype=args.dtype, hdim=d, causal=causal, seqlen=longest,

@@ -122,11 +122,14 @@ HOPPER_CASES = [(1, 77, 133, 4, 2, 64, True), (2, 130, 61, 2, 1, 64, True), (1, 
                 (2, 1030, 300, 8, 2, 64, True), (1, 2100, 2100, 8, 8, 128, False), (2, 333, 161, 4, 1, 256, True),
                 (2, 161, 200, 4, 2, 128, False),  # d128's 80-row backward tile: a last block of one row
                 (3, 300, 700, 16, 4, 64, True)]  # 288 backward tiles: persistent CTAs take several each
-# Packed batches on the Hopper forward (more than 64 rows in the longest, so that it serves them): tiles past a
-# sequence's end, sequences shorter than a tile, empty ones, each TMA store cut at its sequence's end.
+# Packed batches on the Hopper forward and backward (more than 64 rows in the longest, so that the forward serves
+# them): tiles past a sequence's end, sequences shorter than a tile, empty ones, each TMA store and dQ reduce-add cut
+# at its sequence's end, dK/dV at each sequence's rows.
 HOPPER_VARLEN = [([0, 1, 77, 300, 5], [3, 0, 64, 129, 500], 4, 2, 64, True),
                  ([200, 1, 0, 63, 130], [100, 257, 9, 63, 1], 2, 2, 128, False),
-                 ([129, 3, 260], [70, 300, 260], 2, 1, 256, True)]
+                 ([129, 3, 260], [70, 300, 260], 2, 1, 256, True),
+                 ([70, 300, 0, 129], [70, 300, 5, 129], 4, 2, 128, True),
+                 ([513, 2, 140], [1, 600, 140], 4, 1, 64, False)]
 
 
 def run_hopper():
@@ -138,7 +141,8 @@ def run_hopper():
     # small for the plan to pick it): the whole group (gcd with 64), then walks of 2 (float32 slices summed after).
     for walk in (64, 2):
         fa2._C.set_test_overrides(family="sm90", walk_heads=walk)
-        run_cases([c for c in HOPPER_CASES if c[3] != c[4]], [], (torch.bfloat16,))
+        run_cases([c for c in HOPPER_CASES if c[3] != c[4]], [c for c in HOPPER_VARLEN if c[2] != c[3]],
+                  (torch.bfloat16,))
     fa2._C.set_test_overrides(family="sm90")
     qkv = torch.randn(2, 257, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
     out, _ = fa2.fwd(*qkv.unbind(2), causal=True)

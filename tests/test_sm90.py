@@ -285,8 +285,8 @@ def test_hopper_varlen_equals_the_padded_batch(d, launch_overrides, require_kern
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_varlen_training_step_matches_the_reference(causal, launch_overrides, require_kernel):
-    """fa2.attention_varlen with the Hopper forward and the mma.sync backward (which reads its out and the packed
-    lse): out and gradients against the per-sequence fp64 reference."""
+    """fa2.attention_varlen with the Hopper forward and backward (which reads its out and the packed lse): out and
+    gradients against the per-sequence fp64 reference."""
     require_kernel("bwd", 128, torch.bfloat16)
     launch_overrides(family="sm90")
     lengths = [12, 0, 300, 1, 129, 77]

@@ -1,7 +1,7 @@
 """The Hopper backward (csrc/sm90/bwd_*.h; docs/tuning.md#sm90-backward): asked for, it computes dq, dk and dv of
-every call it serves (padded batches at d64, d128 and d256, full or causal, MHA/GQA/MQA, lengths that are not multiples
-of its tiles: 128 x 128 at d64, 80 x 128 (full) and 64 x 128 (causal) at d128, 64 x 64 at d256) within the fp64
-reference rule, and the plan sends everything else to the
+every call it serves (padded and packed batches at d64, d128 and d256, full or causal, MHA/GQA/MQA, lengths that are
+not multiples of its tiles: 128 x 128 at d64, 80 x 128 (full) and 64 x 128 (causal, packed) at d128, 64 x 64 at d256)
+within the fp64 reference rule, and the plan sends everything else to the
 mma.sync backward. Every build with the Hopper family has it (a build without arch 90 runs these tests on the mma.sync
 backward); the kernel names of a profile say which family ran. CPU (record mode): the plan's family."""
 import json
@@ -16,6 +16,7 @@ import fa2
 from fa2 import ops
 
 from test_bwd import check_grads, randn
+from test_varlen import check as check_varlen, pack
 
 
 def sm90_bwd_built(d=128):
@@ -276,6 +277,65 @@ def test_hopper_deterministic_backward_is_bitwise_repeatable(d, b, sq, sk, h, hk
     check_grads(runs[0], q, k, v, dout, causal, f"sm90 deterministic d{d} {sq}x{sk} h{h}/{hk} causal={causal}")
     names = bwd_kernel_names(lambda: fa2.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=True))
     assert any("sm90" in n for n in names) == hopper_bwd_expected(d), names
+
+
+# Packed sequences (varlen): empty ones, one token, lengths past a tile by one, queries without keys and keys without
+# queries, GQA and MQA (tests/test_sm90.py's forward cases); the last with max_seqlen past the longest sequence.
+VARLEN = [
+    ([1, 5, 128, 300, 0, 77, 129, 1000, 1, 64], None, 4, 4),
+    ([3, 200, 0, 64, 129, 17, 700, 1], [70, 150, 9, 0, 257, 1, 300, 999], 8, 2),
+    ([513, 65, 2, 1100], [1, 2000, 130, 1100], 4, 1),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", range(len(VARLEN)), ids=["self", "cross_gqa", "cross_mqa"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hopper_varlen_backward_matches_the_reference(d, case, causal, deterministic, launch_overrides,
+                                                      require_kernel):
+    """Packed sequences on the Hopper backward: TMA reads (and the dQ writer adds into) each sequence through views
+    whose row bound is the sequence's end (sm90/bwd_launch.h), causal is bottom-right per sequence, key blocks past a
+    sequence's end do nothing, and dK/dV land at each sequence's rows (poisoned outputs, the per-sequence fp64
+    reference). Deterministic: the same bits twice."""
+    require_kernel("bwd", d, torch.bfloat16)
+    launch_overrides(family="sm90")
+    lengths_q, lengths_k, h, hk = VARLEN[case]
+    lengths_k = lengths_k or lengths_q
+    extra = 70 if case == 2 else 0
+    check_varlen(lengths_q, lengths_k, h, hk, d, torch.bfloat16, causal, max_extra=extra, deterministic=deterministic)
+    q, cu_q = pack(lengths_q, h, d, torch.bfloat16)
+    k, cu_k = pack(lengths_k, hk, d, torch.bfloat16)
+    v = torch.randn_like(k)
+    max_q, max_k = max(lengths_q) + extra, max(lengths_k) + extra
+    out, lse = fa2.fwd_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal)
+    dout = torch.randn_like(q)
+    run = lambda: fa2.bwd_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal,  # noqa: E731
+                                 deterministic=deterministic)
+    names = bwd_kernel_names(run)
+    assert any("sm90" in n for n in names) == hopper_bwd_expected(d), names
+    if deterministic:
+        for name, a, b in zip(("dq", "dk", "dv"), run(), run()):
+            assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_packed_sequences_plan_the_hopper_backward(d, causal, launch_overrides, recording, require_kernel):
+    """CPU: a varlen backward runs on the Hopper family where the build has it, on a tile that reads each sequence's
+    lengths (d128: the causal 64-row tile, full attention too; sm90/config.h: bwd_tile)."""
+    require_kernel("bwd", d, torch.bfloat16)
+    built = sm90_bwd_built(d)
+    launch_overrides(record=True, family="sm90")
+    q, cu = pack([100, 0, 300], 4, d, torch.bfloat16, device="cpu")
+    k, v = (torch.randn_like(q) for _ in range(2))
+    fa2.bwd_varlen(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.zeros(4, q.shape[0]), cu, cu, 300, 300,
+                   causal=causal)
+    kind, launch = recording.calls[-1]
+    assert kind == "bwd" and launch["plan"]["family"] == ("sm90" if built else "sm80"), launch["plan"]
+    if built:
+        assert launch["plan"]["shape"][1:3] == {64: (128, 128), 128: (64, 128), 256: (64, 64)}[d], launch["plan"]
 
 
 @pytest.mark.parametrize("options,served", [

@@ -162,14 +162,15 @@ Family backward_family(const BwdParams& p, DType dtype, int head_dim, const Devi
   if (requested_family() == 1 || !device.sm90a || head_dim != p.head_dim || !sm90_built(true, head_dim, dtype)) {
     return Family::kSm80;
   }
-  const bool serves = sm90::bwd_serves(p.head_dim, p.cu_seqlens_q != nullptr, p.window_left, p.window_right,
-                                       p.softcap_in > 0.f, p.alibi_slopes != nullptr, p.rng_state != nullptr,
-                                       p.deterministic) &&
+  const bool serves = sm90::bwd_serves(p.head_dim, p.window_left, p.window_right, p.softcap_in > 0.f,
+                                       p.alibi_slopes != nullptr, p.rng_state != nullptr) &&
                       tma_tensor(p.q, p.q_stride) && tma_tensor(p.k, p.k_stride) && tma_tensor(p.v, p.v_stride) &&
                       tma_tensor(p.dout, p.dout_stride) && tma_aligned(p.lse) && tma_aligned(p.d_sum) &&
-                      int64_t(p.batch) * p.nheads * p.seqlen_q <= INT32_MAX &&  // lse and D: one flat TMA each
+                      p.nheads * (p.cu_seqlens_q ? int64_t(p.total_q) : int64_t(p.batch) * p.seqlen_q) <=
+                          INT32_MAX &&  // lse and D: one flat TMA each
                       int64_t(p.batch) * p.nheads * ((p.seqlen_k + 63) / 64) <= INT32_MAX &&  // the tiles, an int
-                      sm90::bwd_smem_bytes(sm90::bwd_tile(head_dim, p.causal())) <= device.smem_limit;
+                      sm90::bwd_smem_bytes(sm90::bwd_tile(head_dim, p.causal(), p.cu_seqlens_q != nullptr)) <=
+                          device.smem_limit;
   return serves ? Family::kSm90 : Family::kSm80;
 }
 
@@ -260,7 +261,7 @@ BwdPlan plan_backward(BwdParams& p, DType dtype, int head_dim, const DeviceInfo&
   plan.dtype = dtype;
   plan.family = backward_family(p, dtype, head_dim, device);
   if (plan.family == Family::kSm90) {
-    plan.shape = sm90::bwd_tile(plan.head_dim, p.causal());  // one tile per head dim and causality
+    plan.shape = sm90::bwd_tile(plan.head_dim, p.causal(), p.cu_seqlens_q != nullptr);
     plan.walk_heads = walk_heads(p, plan.shape.block_n, device.sm_count);
   } else {
     plan.tile = bwd_tile_for(plan.head_dim, device.smem_limit, device.code_arch >= 90);

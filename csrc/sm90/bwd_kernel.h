@@ -27,6 +27,7 @@
 #include "sm90/bwd_dq_stage.h"
 #include "sm90/bwd_mma_wide.h"
 #include "sm90/bwd_traits.h"
+#include "sm90/seq_rows.h"
 #include "sm90/tile_scheduler.h"
 #include "sm90/utils.h"
 
@@ -82,14 +83,15 @@ __device__ __forceinline__ void pass_turn(int* semaphore) {
 // persistent CTA taken apart as blockIdx would be (key blocks fastest, then walks, then batch entries): the CTAs
 // running together read one head's Q and dO (L2 hits), a walk's heads one after another. Causal: key block 0 (seen
 // by every query) is the heaviest; the heaviest blocks of a group of walks go first, except in deterministic mode,
-// where the lightest go first (the turn order above). Bottom-right aligned: query i sees key j iff j <= i + diagonal
-// (causal); the query blocks that see a key of the block are [m_begin, m_end). A padded batch's every key sees some
-// query, so that range is never empty there; the code still writes dK = dV = 0 for an empty one. Per head, the tile
-// visits m_end - m_begin blocks from m_first, wrapping from m_end to m_begin. Deterministic full attention
-// (p.dq_rotate) starts key block n at m_begin + n mod the count, so a head's CTAs add into different query blocks at
-// each step instead of queueing behind key block 0; otherwise m_first = m_begin. The walk's heads (from `head`, its
-// first) take that order in turn: `steps` query blocks in all. The producer, both MMA warpgroups and the dQ writer
-// visit the same order; the pipeline stages follow it.
+// where the lightest go first (the turn order above). Bottom-right aligned per sequence (seq: seq_rows.h): query i
+// sees key j iff j <= i + diagonal (causal); the query blocks that see a key of the block are [m_begin, m_end). A
+// padded batch's every key sees some query, so that range is never empty there; the code still writes dK = dV = 0
+// for an empty one (a packed sequence's keys without queries). A packed sequence's key blocks past its end have none.
+// Per head, the tile visits m_end - m_begin blocks from m_first, wrapping from m_end to m_begin. Deterministic full
+// attention (p.dq_rotate) starts key block n at m_begin + n mod the count, so a head's CTAs add into different query
+// blocks at each step instead of queueing behind key block 0; otherwise m_first = m_begin. The walk's heads (from
+// `head`, its first) take that order in turn: `steps` query blocks in all. The producer, both MMA warpgroups and the
+// dQ writer visit the same order; the pipeline stages follow it.
 struct BwdWork {
   int n_block, head, batch, m_begin, m_end, m_first, steps;
   __device__ __forceinline__ int next(int m) const { return m + 1 == m_end ? m_begin : m + 1; }
@@ -97,14 +99,15 @@ struct BwdWork {
   __device__ __forceinline__ bool new_head(int m) const { return m == m_first; }
 };
 
-template <int kBlockM, int kBlockN, class Params>
+template <int kBlockM, int kBlockN, bool kPacks, class Params>
 __device__ __forceinline__ BwdWork bwd_work(Params const& p, int x, int y, int batch) {
   const bool lightest_first = p.dq_semaphore != nullptr && p.causal;
   const BlockHead b = lightest_first ? scheduled_block</*kHeavyLast=*/true>(max(p.head_group, 1), x, y, p.n_blocks)
                                      : scheduled_block</*kHeavyLast=*/false>(p.head_group, x, y, p.n_blocks);
-  const int diagonal = p.seqlen_k - p.seqlen_q;
+  const SeqRows seq = seq_rows<kPacks>(p, batch);
+  const int diagonal = seq.seqlen_k - seq.seqlen_q;
   const int m_begin = p.causal ? max(b.block * kBlockN - diagonal, 0) / kBlockM : 0;
-  const int m_end = ceil_div(p.seqlen_q, kBlockM), m_count = m_end - m_begin;
+  const int m_end = b.block * kBlockN < seq.seqlen_k ? ceil_div(seq.seqlen_q, kBlockM) : 0, m_count = m_end - m_begin;
   const int m_first = p.dq_rotate && m_count > 0 ? m_begin + b.block % m_count : m_begin;
   return {b.block, b.head * p.walk_heads, batch, m_begin, m_end, m_first, max(m_count, 0) * p.walk_heads};
 }
@@ -124,7 +127,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
   const int warp = cutlass::canonical_warp_idx_sync();
   const int warpgroup = cutlass::canonical_warp_group_idx();
-  constexpr bool kPersistent = Traits::kPersistent;
+  constexpr bool kPersistent = Traits::kPersistent, kPacks = Traits::kPacks;
   const int num_tiles = p.n_blocks * p.tile_heads * p.batch;
   constexpr int kTileReaders = Traits::kMmaThreads + 32;  // + the dQ writer warp
   if (warp == 0 && cute::elect_one_sync()) {
@@ -163,12 +166,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   auto work_of = [&](int t) {
     if constexpr (kPersistent) {
       const int walks = p.tile_heads;
-      return bwd_work<kBlockM, kBlockN>(p, t % p.n_blocks, t / p.n_blocks % walks, t / p.n_blocks / walks);
+      return bwd_work<kBlockM, kBlockN, kPacks>(p, t % p.n_blocks, t / p.n_blocks % walks, t / p.n_blocks / walks);
     } else if (p.dq_semaphore) {
-      return bwd_work<kBlockM, kBlockN>(p, t % int(gridDim.x), t / int(gridDim.x) % int(gridDim.y),
-                                        t / int(gridDim.x * gridDim.y));
+      return bwd_work<kBlockM, kBlockN, kPacks>(p, t % int(gridDim.x), t / int(gridDim.x) % int(gridDim.y),
+                                                t / int(gridDim.x * gridDim.y));
     } else {
-      return bwd_work<kBlockM, kBlockN>(p, int(blockIdx.x), int(blockIdx.y), int(blockIdx.z));
+      return bwd_work<kBlockM, kBlockN, kPacks>(p, int(blockIdx.x), int(blockIdx.y), int(blockIdx.z));
     }
   };
   // Tile i of this CTA: from the producer's mailbox (two slots, so that it may draw one ahead; past the last: none)
@@ -208,7 +211,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         const int t = take_tile(tile_i);
         if (t >= num_tiles) break;
         const BwdWork w = work_of(t);
-        const int m_count = w.m_end - w.m_begin, n_block = w.n_block, diagonal = p.seqlen_k - p.seqlen_q;
+        const SeqRows seq = seq_rows<kPacks>(p, w.batch);
+        const int m_count = w.m_end - w.m_begin, n_block = w.n_block, diagonal = seq.seqlen_k - seq.seqlen_q;
         if (m_count <= 0) continue;
         if (owed) {
           cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty);
@@ -220,12 +224,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         const int semaphore_stride = p.batch * p.nheads;
         const RotatedTurns rotated(n_block, p.n_blocks, max(m_count, 1));
         for (int i = 0, m = w.m_first, head = w.head; i < w.steps; ++i, m = w.next(m), head += w.new_head(m)) {
-          Tensor mdQ = p.tma_dq.get_tma_tensor(p.shape_q)(_, _, head, w.batch);      // (rows, d)
+          Tensor mdQ = domain_offset(make_coord(seq.q_shift, _0{}),  // (rows, d)
+                                     p.tma_dq.get_tma_tensor(p.shape_q)(_, _, head, seq.q_coord));
           Tensor gdQ = local_tile(mdQ, typename Traits::dQSlab{}, make_coord(_, _));  // (M, 64, m, slab)
           int* semaphore = p.dq_semaphore ? p.dq_semaphore + w.batch * p.nheads + head : nullptr;
           if (semaphore && leader) {
-            const int visitors = p.causal ? min(p.n_blocks, (m * kBlockM + kBlockM - 1 + diagonal) / kBlockN + 1)
-                                          : p.n_blocks;
+            const int n_blocks = kPacks ? ceil_div(seq.seqlen_k, kBlockN) : p.n_blocks;  // the sequence's
+            const int visitors = p.causal ? min(n_blocks, (m * kBlockM + kBlockM - 1 + diagonal) / kBlockN + 1)
+                                          : n_blocks;
             const int turn = p.causal ? visitors - 1 - n_block : p.dq_rotate ? rotated(m - w.m_begin) : n_block;
             wait_for_turn(semaphore + m * semaphore_stride, turn);
           }
@@ -281,8 +287,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       const BwdWork w = work_of(t);
       const int m_count = w.m_end - w.m_begin, head_kv = w.head / p.head_group_kv;
       if (m_count <= 0) continue;
-      Tensor mK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, w.batch);
-      Tensor mV = p.tma_v.get_tma_tensor(p.shape_k)(_, _, head_kv, w.batch);
+      // (rows, d) of this sequence and head, the coordinates shifted so that TMA's row bound is the sequence's end.
+      const SeqRows seq = seq_rows<kPacks>(p, w.batch);
+      Tensor mK = domain_offset(make_coord(seq.k_shift, _0{}),
+                                p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, seq.k_coord));
+      Tensor mV = domain_offset(make_coord(seq.k_shift, _0{}),
+                                p.tma_v.get_tma_tensor(p.shape_k)(_, _, head_kv, seq.k_coord));
       Tensor gK = local_tile(mK, Shape<N, D>{}, make_coord(w.n_block, _0{}));  // (N, d)
       Tensor gV = local_tile(mV, Shape<N, D>{}, make_coord(w.n_block, _0{}));
       auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
@@ -293,8 +303,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
 #pragma unroll 1
       for (int i = 0, m = w.m_first, head = w.head; i < w.steps;
            ++i, m = w.next(m), head += w.new_head(m), ++stage, ++do_stage) {
-        Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, w.batch);  // (rows, d)
-        Tensor mdO = p.tma_do.get_tma_tensor(p.shape_q)(_, _, head, w.batch);
+        Tensor mQ =
+            domain_offset(make_coord(seq.q_shift, _0{}), p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, seq.q_coord));
+        Tensor mdO =
+            domain_offset(make_coord(seq.q_shift, _0{}), p.tma_do.get_tma_tensor(p.shape_q)(_, _, head, seq.q_coord));
         Tensor gQ = local_tile(mQ, Shape<M, D>{}, make_coord(_, _0{}));  // (M, d, query blocks)
         Tensor gdO = local_tile(mdO, Shape<M, D>{}, make_coord(_, _0{}));
         auto [tQgQ, tQsQ] =
@@ -302,7 +314,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         auto [tdOgdO, tdOsdO] =
             tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
         // lse and D of query block m: a box of the flat buffers from this head's first row rounded down to 4 floats.
-        const int stats0 = ((w.batch * p.nheads + head) * p.seqlen_q) & ~3;
+        const int stats0 = stats_row<kPacks>(p, seq, w.batch, head) & ~3;
         q_pipe.producer_acquire(stage);  // waits for the stage to be free, then expects its bytes (Q's and lse's)
         copy(p.tma_q.with(*q_pipe.producer_get_barrier(stage), 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, m),
              tQsQ(_, stage.index()));
@@ -388,10 +400,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       if (t >= num_tiles) break;
       const BwdWork w = work_of(t);
       const int n_block = w.n_block, batch = w.batch, m_count = w.m_end - w.m_begin;
-      // From the parameters (uniform), not from w: as a field of w it took a register and the 80-row tile spilled.
-      const int diagonal = p.seqlen_k - p.seqlen_q;
-      // The walk's head's first row in the stats box: each next head's starts seqlen_q rows later.
-      int stats_shift = ((batch * p.nheads + w.head) * p.seqlen_q) & 3;
+      // The 80-row tile's lengths are the parameters' (uniform): as a field of w the diagonal took a register and that
+      // tile spilled.
+      const SeqRows seq = seq_rows<kPacks>(p, batch);
+      const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, diagonal = seqlen_k - seqlen_q;
+      // The walk's head's first row in the stats box: each next head's starts stats_head_rows rows later.
+      int stats_shift = stats_row<kPacks>(p, seq, batch, w.head) & 3;
       clear(tdKrdK);
       clear(tdVrdV);
       if (m_count > 0 && !slab_used) {
@@ -401,7 +415,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       }
       if (m_count > 0) shared.kv_full.wait(kv_loads++ & 1);
       for (int i = 0, m = w.m_first; i < w.steps;
-           ++i, m = w.next(m), stats_shift = (stats_shift + (w.new_head(m) ? p.seqlen_q : 0)) & 3, ++stage) {
+           ++i, m = w.next(m), stats_shift = (stats_shift + (w.new_head(m) ? p.stats_head_rows : 0)) & 3, ++stage) {
         const int s = stage.index(), query0 = m * kBlockM, key0 = n_block * kBlockN;
         // S^T = K Q^T and dP^T = V dO^T, both in flight; P's exp2 overlaps dP's GEMM.
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<N, M>{});
@@ -415,7 +429,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         // P = exp2(S * scale_log2 - lse * log2(e)) (reference: p = exp(s * scale - lse)); keys past seqlen_k and,
         // causal, keys past a query's diagonal are masked to P = 0. Only blocks that reach an edge pay for the test.
         Tensor scores = make_tensor(tSrS.data(), rowcol_t(tSrS.layout()));  // (queries, keys)
-        const bool edge = key0 + kBlockN > p.seqlen_k || (p.causal && key0 + kBlockN - 1 > query0 + diagonal);
+        const bool edge = key0 + kBlockN > seqlen_k || (p.causal && key0 + kBlockN - 1 > query0 + diagonal);
         // lse of each query as its row is used, from shared memory (Q's stage): kRows registers held across the GEMMs
         // spilled at 128 queries per block. Rows past seqlen_q (the box ran into the next head's, or zeros), and rows
         // that saw no key in the forward (lse = -inf), get lse = +inf so that P = 0 there (sm80/bwd_tile.h does the same).
@@ -423,7 +437,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         CUTE_UNROLL
         for (int mi = 0; mi < kRows; ++mi) {
           const int row = get<1>(cS_rc(mi, 0)), query = query0 + row;
-          const float l = query < p.seqlen_q ? lse_s[row] : INFINITY;
+          const float l = query < seqlen_q ? lse_s[row] : INFINITY;
           const float lse_log2 = l == -INFINITY ? INFINITY : l * float(M_LOG2E);
           CUTE_UNROLL
           for (int ni = 0; ni < size<1>(scores); ++ni) {
@@ -436,7 +450,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             CUTE_UNROLL
             for (int ni = 0; ni < size<1>(scores); ++ni) {
               const int key = key0 + get<0>(cS_rc(mi, ni)), query = query0 + get<1>(cS_rc(mi, ni));
-              if (key >= p.seqlen_k || (p.causal && key > query + diagonal)) scores(mi, ni) = 0.f;
+              if (key >= seqlen_k || (p.causal && key > query + diagonal)) scores(mi, ni) = 0.f;
             }
           }
         }
@@ -448,7 +462,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         CUTE_UNROLL
         for (int mi = 0; mi < kRows; ++mi) {
           const int row = get<1>(cS_rc(mi, 0)), query = query0 + row;
-          const float d_row = query < p.seqlen_q ? d_s[row] : 0.f;
+          const float d_row = query < seqlen_q ? d_s[row] : 0.f;
           CUTE_UNROLL
           for (int ni = 0; ni < size<1>(ds); ++ni) ds(mi, ni) = scores(mi, ni) * (ds(mi, ni) - d_row);
         }
@@ -488,19 +502,22 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
 
       // ------------------------------------------------------------------------------------------ epilogue
       // dK = softmax_scale * sum dS^T Q (reference: dk = scale * ds^T q) and dV, for this walk's slice: rows past
-      // seqlen_k are not written. Element pairs, or fp32 pairs where the host sums a group's walks afterwards.
+      // seqlen_k are not written (a packed sequence's rows from its first key). Element pairs, or fp32 pairs where the
+      // host sums a group's walks afterwards.
       Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<N, D>{}));
       Tensor cKV_rc = make_tensor(cKV.data(), rowcol(cKV.layout()));  // (keys, columns)
       Tensor dk = make_tensor(tdKrdK.data(), rowcol(tdKrdK.layout()));
       Tensor dv = make_tensor(tdVrdV.data(), rowcol(tdVrdV.layout()));
       const int slice = w.head / p.walk_heads;
-      const int64_t dk_base = batch * p.dk_batch_stride + slice * p.dk_head_stride;
-      const int64_t dv_base = batch * p.dv_batch_stride + slice * p.dv_head_stride;
+      // The sequence's first key read again here, not held across the walk (a register of the d64 loop's).
+      const int k_start = seq_rows<kPacks>(p, batch).k_start;
+      const int64_t dk_base = batch * p.dk_batch_stride + k_start * p.dk_row_stride + slice * p.dk_head_stride;
+      const int64_t dv_base = batch * p.dv_batch_stride + k_start * p.dv_row_stride + slice * p.dv_head_stride;
       cutlass::NumericArrayConverter<Element, float, 2> cvt;
       CUTE_UNROLL
       for (int r = 0; r < size<0>(dk); ++r) {
         const int key = n_block * kBlockN + get<0>(cKV_rc(r, 0));
-        if (key >= p.seqlen_k) continue;
+        if (key >= seqlen_k) continue;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(dk); c += 2) {
           const int col = get<1>(cKV_rc(r, c));

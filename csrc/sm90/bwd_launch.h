@@ -30,26 +30,32 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
       plan.shape.block_m != Traits::kBlockM ||  // ops.cpp sizes the deterministic semaphores with it
       plan.walk_heads < 1 || p.nheads % p.nheads_k != 0 || (p.nheads / p.nheads_k) % plan.walk_heads != 0 ||
       p.dkv_fp32 != (plan.walk_heads != p.nheads / p.nheads_k) ||  // ops.cpp's slices: fp32 where the host sums
-      p.cu_seqlens_q != nullptr || p.deterministic != (p.dq_semaphore != nullptr) || p.rng_state != nullptr ||
+      (p.cu_seqlens_q != nullptr && !Traits::kPacks) ||  // the plan gives packed sequences a tile that reads them
+      p.deterministic != (p.dq_semaphore != nullptr) || p.rng_state != nullptr ||
       p.softcap_in > 0.f ||
       p.alibi_slopes != nullptr || p.window_left >= 0 || p.window_right > 0 ||
-      int64_t(p.batch) * p.nheads * p.seqlen_q > INT32_MAX ||
+      int64_t(p.batch) * p.nheads * p.seqlen_q > INT32_MAX || int64_t(p.nheads) * p.total_q > INT32_MAX ||
       int64_t(p.batch) * p.nheads * ceil_div_host(p.seqlen_k, Traits::kBlockN) > INT32_MAX) {
     throw std::logic_error("fa2: a backward plan the Hopper family does not serve (host/plan.cpp)");
   }
   bind_context();  // before the driver encodes the TMA descriptors (autograd's thread may have no context yet)
   BwdKernelParams<Traits> k;
   // q, k, v and dout as TMA sees them: (rows, head dim, heads, batch) with the caller's strides. Rows past a
-  // sequence's end arrive as zeros.
-  auto tma_view = [&](const void* ptr, const Strides& st, int seqlen, int heads) {
-    return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
-                       make_shape(seqlen, int32_t(kHeadDim), heads, int32_t(p.batch)),
-                       make_stride(st.row, _1{}, st.head, st.batch));
+  // sequence's end arrive as zeros. Packed sequences (varlen) as the forward views them (fwd_launch.h: tma_view):
+  // rows = max_seqlen, total + 1 batch entries one row apart from a base max_seqlen rows before the tensor, so that
+  // row r of the sequence of tokens [start, start + len) is at (r + max_seqlen - len, start + len) (seq_rows.h) and
+  // TMA's row bound is that sequence's end.
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  auto tma_view = [&](auto* ptr, const Strides& st, int seqlen, int total, int heads) {
+    auto* base = ptr - (varlen ? int64_t(seqlen) * st.row : 0);
+    return make_tensor(make_gmem_ptr(base), make_shape(seqlen, int32_t(kHeadDim), heads, varlen ? total + 1 : p.batch),
+                       make_stride(st.row, _1{}, st.head, varlen ? st.row : st.batch));
   };
-  Tensor mQ = tma_view(p.q, p.q_stride, p.seqlen_q, p.nheads);
-  Tensor mdO = tma_view(p.dout, p.dout_stride, p.seqlen_q, p.nheads);
-  Tensor mK = tma_view(p.k, p.k_stride, p.seqlen_k, p.nheads_k);
-  Tensor mV = tma_view(p.v, p.v_stride, p.seqlen_k, p.nheads_k);
+  auto elements = [](const void* ptr) { return static_cast<const Element*>(ptr); };
+  Tensor mQ = tma_view(elements(p.q), p.q_stride, p.seqlen_q, p.total_q, p.nheads);
+  Tensor mdO = tma_view(elements(p.dout), p.dout_stride, p.seqlen_q, p.total_q, p.nheads);
+  Tensor mK = tma_view(elements(p.k), p.k_stride, p.seqlen_k, p.total_k, p.nheads_k);
+  Tensor mV = tma_view(elements(p.v), p.v_stride, p.seqlen_k, p.total_k, p.nheads_k);
   using MD = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>;
   using ND = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>;
   k.tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, take<0, 2>(typename Traits::SmemLayoutQ{}), MD{}, _1{});
@@ -57,8 +63,9 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   k.tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, typename Traits::SmemLayoutK{}, ND{}, _1{});
   k.tma_v = make_tma_copy(SM90_TMA_LOAD{}, mV, typename Traits::SmemLayoutV{}, ND{}, _1{});
   k.shape_q = mQ.shape(), k.shape_k = mK.shape();
-  // lse and d_sum flat, one rank-1 TMA each (the plan checked that the length fits an int and the bases' alignment).
-  const int64_t stats_total = int64_t(p.batch) * p.nheads * p.seqlen_q;
+  // lse and d_sum flat, one rank-1 TMA each (the plan checked that the length fits an int and the bases' alignment):
+  // (batch, nheads, seqlen_q), or packed (nheads, total_q).
+  const int64_t stats_total = varlen ? int64_t(p.nheads) * p.total_q : int64_t(p.batch) * p.nheads * p.seqlen_q;
   auto flat = [&](const float* ptr) {
     return make_tensor(make_gmem_ptr(ptr), make_shape(int32_t(stats_total)), Stride<_1>{});
   };
@@ -66,18 +73,20 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   k.tma_lse = make_tma_copy(SM90_TMA_LOAD{}, flat(p.lse), Layout<MStats>{}, MStats{}, _1{});
   k.tma_d = make_tma_copy(SM90_TMA_LOAD{}, flat(p.d_sum), Layout<MStats>{}, MStats{}, _1{});
   k.stats_total = int32_t(stats_total);
-  // dq_accum, row-major fp32 (rows, head dim, heads, batch), as the mma.sync family's preprocess and convert lay it
-  // out; the dQ writer adds its slabs into it.
-  Tensor mdQ = make_tensor(make_gmem_ptr(p.dq_accum),
-                           make_shape(p.seqlen_q, int32_t(kHeadDim), p.nheads, int32_t(p.batch)),
-                           make_stride(int64_t(kHeadDim), _1{}, int64_t(p.seqlen_q) * kHeadDim,
-                                       int64_t(p.nheads) * p.seqlen_q * kHeadDim));
+  k.stats_head_rows = varlen ? p.total_q : p.seqlen_q;
+  // dq_accum, row-major fp32 with lse's rows, as the mma.sync family's preprocess and convert lay it out: (rows, head
+  // dim, heads, batch), or packed (nheads, total_q) rows viewed as q is; the dQ writer adds its slabs into it, and
+  // TMA drops the rows past a sequence's end.
+  const Strides dq_rows = {int64_t(p.nheads) * p.seqlen_q * kHeadDim, int64_t(kHeadDim),
+                           int64_t(varlen ? p.total_q : p.seqlen_q) * kHeadDim};
+  Tensor mdQ = tma_view(p.dq_accum, dq_rows, p.seqlen_q, p.total_q, p.nheads);
   k.tma_dq =
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, mdQ, typename Traits::SmemLayoutdQSlab{}, typename Traits::dQSlab{}, _1{});
   k.dk = p.dk, k.dv = p.dv, k.dkv_fp32 = p.dkv_fp32;
   k.dk_row_stride = p.dk_stride.row, k.dk_head_stride = p.dk_stride.head, k.dk_batch_stride = p.dk_stride.batch;
   k.dv_row_stride = p.dv_stride.row, k.dv_head_stride = p.dv_stride.head, k.dv_batch_stride = p.dv_stride.batch;
   k.seqlen_q = p.seqlen_q, k.seqlen_k = p.seqlen_k, k.nheads = p.nheads, k.head_group_kv = p.nheads / p.nheads_k;
+  k.cu_seqlens_q = p.cu_seqlens_q, k.cu_seqlens_k = p.cu_seqlens_k, k.total_q = p.total_q, k.total_k = p.total_k;
   k.walk_heads = plan.walk_heads, k.tile_heads = p.nheads / plan.walk_heads;
   k.scale_log2 = p.scale_log2, k.softmax_scale = p.softmax_scale;
   k.causal = p.causal();
@@ -92,7 +101,8 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   const int n_blocks = ceil_div_host(p.seqlen_k, Traits::kBlockN);
   k.n_blocks = n_blocks;
   // The plain order only (head_group 0, as full attention has): the tickets then start a head's key blocks together.
-  k.dq_rotate = p.dq_semaphore != nullptr && !k.causal && p.head_group == 0 &&
+  // Padded batches only: the turns count the grid's key blocks, and a packed sequence may have fewer.
+  k.dq_rotate = p.dq_semaphore != nullptr && !k.causal && p.head_group == 0 && !varlen &&
                 2 * n_blocks <= device_sm_count();
 
   constexpr int smem = Traits::kSmemSize;

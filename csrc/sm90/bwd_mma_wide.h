@@ -13,6 +13,7 @@
 
 #include "sm90/bwd_dq_stage.h"
 #include "sm90/bwd_traits.h"
+#include "sm90/seq_rows.h"
 #include "sm90/utils.h"
 
 namespace fa2::sm90 {
@@ -37,6 +38,8 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
                                              typename Traits::Pipeline& q_pipe, typename Traits::PipelinedO& do_pipe,
                                              Work const& w) {
   const int n_block = w.n_block, batch = w.batch, m_begin = w.m_begin, m_end = w.m_end;
+  const SeqRows seq = seq_rows(p, batch);  // its lengths; a packed sequence's first key
+  const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, diagonal = seqlen_k - seqlen_q;
   using Element = typename Traits::Element;
   using M = typename Traits::M;
   using N = typename Traits::N;
@@ -94,15 +97,14 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<M, N>{}));
     Tensor cS_rc = make_tensor(cS.data(), rowcol(cS.layout()));  // (queries, keys)
     constexpr int kRows = decltype(size<0>(cS_rc))::value;       // queries per thread
-    // The walk's head's first row in the stats box: each next head's starts seqlen_q rows later.
-    int stats_shift = ((batch * p.nheads + w.head) * p.seqlen_q) & 3;
-    const int diagonal = p.seqlen_k - p.seqlen_q;
+    // The walk's head's first row in the stats box: each next head's starts stats_head_rows rows later.
+    int stats_shift = stats_row<true>(p, seq, batch, w.head) & 3;
 
     shared.kv_full.wait(0);
     typename Traits::PipelineState stage;
     typename Traits::PipelineStatedO do_stage;
     for (int i = 0, m = w.m_first; i < w.steps; ++i, m = w.next(m),
-             stats_shift = (stats_shift + (w.new_head(m) ? p.seqlen_q : 0)) & 3, ++stage, ++do_stage) {
+             stats_shift = (stats_shift + (w.new_head(m) ? p.stats_head_rows : 0)) & 3, ++stage, ++do_stage) {
       const int s = stage.index(), query0 = m * kBlockM, key0 = n_block * kBlockN;
       // S = Q K^T and dP = dO V^T, both in flight; P's exp2 overlaps dP's GEMM.
       Tensor tSrS = partition_fragment_C(mma_sdp, Shape<M, N>{});
@@ -115,7 +117,7 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
         const int row = get<0>(cS_rc(mi, 0));
-        const float l = query0 + row < p.seqlen_q ? lse_s[row] : INFINITY;
+        const float l = query0 + row < seqlen_q ? lse_s[row] : INFINITY;
         lse_log2[mi] = l == -INFINITY ? INFINITY : l * float(M_LOG2E);
       }
       do_pipe.consumer_wait(do_stage);
@@ -125,7 +127,7 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
       // P = exp2(S * scale_log2 - lse * log2(e)) (reference: p = exp(s * scale - lse)), masked past seqlen_k and,
       // causal, past a query's diagonal.
       Tensor scores = make_tensor(tSrS.data(), rowcol(tSrS.layout()));  // (queries, keys)
-      const bool edge = key0 + kBlockN > p.seqlen_k || (p.causal && key0 + kBlockN - 1 > query0 + diagonal);
+      const bool edge = key0 + kBlockN > seqlen_k || (p.causal && key0 + kBlockN - 1 > query0 + diagonal);
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
         CUTE_UNROLL
@@ -139,7 +141,7 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
           CUTE_UNROLL
           for (int ni = 0; ni < size<1>(scores); ++ni) {
             const int query = query0 + get<0>(cS_rc(mi, ni)), key = key0 + get<1>(cS_rc(mi, ni));
-            if (key >= p.seqlen_k || (p.causal && key > query + diagonal)) scores(mi, ni) = 0.f;
+            if (key >= seqlen_k || (p.causal && key > query + diagonal)) scores(mi, ni) = 0.f;
           }
         }
       }
@@ -148,7 +150,7 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
         const int row = get<0>(cS_rc(mi, 0));
-        d_row[mi] = query0 + row < p.seqlen_q ? d_s[row] : 0.f;
+        d_row[mi] = query0 + row < seqlen_q ? d_s[row] : 0.f;
       }
       Tensor rP = make_tensor<Element>(tSrS.layout());
       convert(tSrS, rP);
@@ -197,16 +199,17 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
 
   // ------------------------------------------------------------------------------------------ epilogue
   // dK = softmax_scale * sum Q^T dS, transposed (reference: dk = scale * ds^T q), and dV, for this walk's slice;
-  // keys past seqlen_k are not written. The registers hold (dims, keys), a thread's pairs two keys of one dim; lanes l
-  // and l ^ 4 hold neighbouring dims at the same keys, so one swap gives each a pair of dims at one key, written as
-  // bwd_kernel.h writes them (Element pairs, or fp32 pairs where the host sums a group's walks afterwards).
+  // keys past seqlen_k are not written (a packed sequence's rows from its first key). The registers hold (dims, keys),
+  // a thread's pairs two keys of one dim; lanes l and l ^ 4 hold neighbouring dims at the same keys, so one swap gives
+  // each a pair of dims at one key, written as bwd_kernel.h writes them (Element pairs, or fp32 pairs where the host
+  // sums a group's walks afterwards).
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<D, N>{}));
   Tensor cKV_rc = make_tensor(cKV.data(), rowcol(cKV.layout()));  // (dims, keys)
   Tensor dk = make_tensor(tdKrdK.data(), rowcol(tdKrdK.layout()));
   Tensor dv = make_tensor(tdVrdV.data(), rowcol(tdVrdV.layout()));
   const int slice = w.head / p.walk_heads;
-  const int64_t dk_base = batch * p.dk_batch_stride + slice * p.dk_head_stride;
-  const int64_t dv_base = batch * p.dv_batch_stride + slice * p.dv_head_stride;
+  const int64_t dk_base = batch * p.dk_batch_stride + seq.k_start * p.dk_row_stride + slice * p.dk_head_stride;
+  const int64_t dv_base = batch * p.dv_batch_stride + seq.k_start * p.dv_row_stride + slice * p.dv_head_stride;
   const int upper = (threadIdx.x >> 2) & 1;  // this lane holds the odd dim of its pair
   cutlass::NumericArrayConverter<Element, float, 2> cvt;
   CUTE_UNROLL
@@ -216,7 +219,7 @@ __device__ __forceinline__ void bwd_mma_wide(BwdKernelParams<Traits> const& p, t
     for (int r = 0; r < size<0>(dk); ++r) {
       const float k_got = __shfl_xor_sync(0xffffffff, upper ? dk(r, c) : dk(r, c + 1), 4);
       const float v_got = __shfl_xor_sync(0xffffffff, upper ? dv(r, c) : dv(r, c + 1), 4);
-      if (key >= p.seqlen_k) continue;
+      if (key >= seqlen_k) continue;
       const int col = get<0>(cKV_rc(r, c)) - upper;
       const int64_t k_off = dk_base + key * p.dk_row_stride + col, v_off = dv_base + key * p.dv_row_stride + col;
       cutlass::Array<float, 2> k2, v2;

@@ -63,6 +63,7 @@ struct BwdTraits {
   static constexpr int kdQCols = kWide ? 128 : kHeadDim;  // columns of one dQ GEMM
   static constexpr bool kdQSwapAB = !kWide && kBlockM % 64 != 0;  // dQ^T = K^T dS^T (bwd_dq_op)
   static constexpr bool kPersistent = bwd_persistent({kHeadDim, kBlockM, kBlockN, kStages, false, false});
+  static constexpr bool kPacks = bwd_tile_packs({kHeadDim, kBlockM, kBlockN, kStages, false, false});
   // setmaxnreg's split of the CTA's pool, 168 x 384 at launch, between the producer warpgroup (the loads, the dQ
   // writer) and the MMA warpgroups: 40 / 232 is exact (24 / 240 spilled 44 B in the producer once it also loaded lse
   // and D; 32 / 240 would ask for more than the pool holds). 80 queries: S^T, dP^T, dK and dV are 208 fp32 a thread,
@@ -204,15 +205,21 @@ struct BwdKernelParams {
   typename Traits::TmaV tma_v;
   typename Traits::TmaStats tma_lse, tma_d;  // over lse and d_sum, flat
   typename Traits::TmadQ tma_dq;             // reduce-add into dq_accum (the writer's)
-  typename Traits::ShapeQKV shape_q, shape_k;  // (seqlen, head dim, heads, batch); shape_k's heads are nheads_k
-  int32_t stats_total;  // batch * nheads * seqlen_q: lse's and d_sum's length (lse: natural log, -inf: no key seen;
-                        // d_sum: D = rowsum(dO * O), which the preprocess writes)
-  void* dk;  // (batch, seqlen_k, nheads / walk_heads, head dim): one slice per walk, Element, or fp32 (dkv_fp32) where
-  void* dv;  // a K/V group has several walks, which the host sums
-  int64_t dk_row_stride, dk_head_stride, dk_batch_stride;
-  int64_t dv_row_stride, dv_head_stride, dv_batch_stride;
+  // (rows, head dim, heads, batch); shape_k's heads are nheads_k. Packed sequences (varlen): (max_seqlen, head dim,
+  // heads, total + 1), addressed through seq_rows.h (bwd_launch.h: tma_view).
+  typename Traits::ShapeQKV shape_q, shape_k;
+  int32_t stats_total;  // lse's and d_sum's length: batch * nheads * seqlen_q, or nheads * total_q (lse: natural log,
+                        // -inf: no key seen; d_sum: D = rowsum(dO * O), which the preprocess writes)
+  int stats_head_rows;  // from one head's statistics to the next one's: seqlen_q, or total_q (packed)
+  void* dk;  // (batch, seqlen_k, nheads / walk_heads, head dim), packed (total_k, ...): one slice per walk, Element,
+  void* dv;  // or fp32 (dkv_fp32) where a K/V group has several walks, which the host sums
+  int64_t dk_row_stride, dk_head_stride, dk_batch_stride;  // packed: no batch stride (0), rows from the sequence's
+  int64_t dv_row_stride, dv_head_stride, dv_batch_stride;  // first key
   bool dkv_fp32;
-  int seqlen_q, seqlen_k, nheads, head_group_kv;  // head_group_kv: query heads per K/V head
+  int seqlen_q, seqlen_k, nheads, head_group_kv;  // head_group_kv: query heads per K/V head; packed: the max lengths
+  const int* cu_seqlens_q;  // packed sequences (varlen; common/params.h), else null
+  const int* cu_seqlens_k;
+  int total_q, total_k;
   int walk_heads;  // query heads a tile walks (of one K/V group; bwd_kernel.h: BwdWork), summing dK and dV in registers
   int tile_heads;  // nheads / walk_heads
   float scale_log2;     // softmax_scale * log2(e)

@@ -58,10 +58,14 @@ constexpr bool fwd_serves(int head_dim, int seqlen_q, bool kvcache, int /*window
 // per 128-column half and staged for the dQ writer as at d128. One dO stage: two would not fit beside the staging.
 constexpr bool bwd_has_tile(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
-constexpr BwdTileShape bwd_tile(int head_dim, bool causal) {
-  const int block_m = head_dim == 64 ? 128 : head_dim == 128 && !causal ? 80 : 64;
+// Packed sequences (varlen) at d128 take the causal tile (bwd_kernel.h reads each sequence's lengths per tile, and
+// the 80-row tile's 240 registers spilled for one more).
+constexpr BwdTileShape bwd_tile(int head_dim, bool causal, bool varlen = false) {
+  const int block_m = head_dim == 64 ? 128 : head_dim == 128 && !causal && !varlen ? 80 : 64;
   return {head_dim, block_m, head_dim == 256 ? 64 : 128, 2, false, false};
 }
+// Whether a tile runs packed sequences (above): all but d128's 80-row tile, which reads the uniform lengths.
+constexpr bool bwd_tile_packs(BwdTileShape t) { return t.block_m != 80; }
 
 // dO's stages: as many as Q's, but one at d256 (bwd_mma_wide.h releases it mid-block).
 constexpr int bwd_do_stages(BwdTileShape t) { return t.head_dim == 256 ? 1 : t.stages; }
@@ -82,12 +86,12 @@ constexpr int bwd_smem_bytes(BwdTileShape t) {
          t.block_m * (wide ? 128 : t.head_dim) * 4 + 1024;
 }
 
-// What the backward of this family computes so far: padded batches, any lengths, MHA/GQA/MQA (a tile walks the query
-// heads of a K/V group, host/plan.cpp: walk_heads), full or causal attention, deterministic or not, at the compiled
-// head dims exactly. Varlen, windows, softcap, ALiBi and dropout run on the mma.sync family, by the plan.
-constexpr bool bwd_serves(int head_dim, bool varlen, int window_left, int window_right, bool softcap, bool alibi,
-                          bool dropout, bool deterministic) {
-  return bwd_has_tile(head_dim) && !varlen && window_left < 0 && window_right <= 0 && !softcap && !alibi && !dropout;
+// What the backward of this family computes so far: padded batches and packed ones (varlen: each sequence
+// bottom-right aligned on its own), any lengths, MHA/GQA/MQA (a tile walks the query heads of a K/V group,
+// host/plan.cpp: walk_heads), full or causal attention, deterministic or not, at the compiled head dims exactly.
+// Windows, softcap, ALiBi and dropout run on the mma.sync family, by the plan.
+constexpr bool bwd_serves(int head_dim, int window_left, int window_right, bool softcap, bool alibi, bool dropout) {
+  return bwd_has_tile(head_dim) && window_left < 0 && window_right <= 0 && !softcap && !alibi && !dropout;
 }
 
 }  // namespace fa2::sm90

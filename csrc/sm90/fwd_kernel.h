@@ -15,6 +15,7 @@
 #include "common/band.h"
 #include "common/seqlen.h"
 #include "sm90/dropout.h"
+#include "sm90/seq_rows.h"
 #include "sm90/softmax.h"
 #include "sm90/tile_scheduler.h"
 #include "sm90/traits.h"
@@ -33,22 +34,6 @@ __device__ __forceinline__ int2 key_blocks(int m_block, int seqlen_q, int seqlen
   if (right >= 0) end = min(end, max(ceil_div(last_row + diagonal + right + 1, kBlockN), 0));
   if (left >= 0) begin = max(first_row + diagonal - left, 0) / kBlockN;
   return make_int2(begin, end);
-}
-
-// Where the sequence of batch entry `batch` lives, as the TMA coordinates of fwd_launch.h's views (tma_view) address
-// it: a padded batch's rows as they are; a packed sequence's (varlen, common/seqlen.h: packed_span) row r at row
-// coordinate r + shift of batch coordinate `coord`, so that the views' row bound is the sequence's end.
-struct SeqRows {
-  int seqlen_q, seqlen_k;
-  int q_shift, k_shift, q_coord, k_coord;
-  int q_start;  // the sequence's first token in packed q, o and lse's rows; 0 for a padded batch
-};
-template <class Params>
-__device__ __forceinline__ SeqRows seq_rows(Params const& p, int batch) {
-  if (p.cu_seqlens_q == nullptr) return {p.seqlen_q, p.seqlen_k, 0, 0, batch, batch, 0};
-  const PackedSpan q = packed_span(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q);
-  const PackedSpan k = packed_span(p.cu_seqlens_k, batch, p.total_k, p.seqlen_k);
-  return {q.len, k.len, p.seqlen_q - q.len, p.seqlen_k - k.len, q.start + q.len, k.start + k.len, q.start};
 }
 
 constexpr int kEpilogueBarrier = 3;  // the consumer warpgroups' named barrier around the shared O tile
