@@ -49,7 +49,8 @@ SMALL_SMEM_VARLEN = [([0, 70, 1], [9, 64, 0], 2, 1, d, True) for d in (64, 96, 1
 
 def run_cases(cases, varlen_cases, dtypes, window=None):
     """window: then also softcap, ALiBi and dropout in both directions, and a sink in the forward (causal cases keep
-    right 0)."""
+    right 0). Returns how many cases ran (head dims the build lacks are skipped)."""
+    ran = 0
     def options(h, causal):
         if window is None:
             return {}, {}
@@ -70,6 +71,7 @@ def run_cases(cases, varlen_cases, dtypes, window=None):
                                    **both)
         torch.cuda.synchronize()
         assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+        ran += 1
     for b, sq, sk, h, hk, d, causal in cases:
         if not any(x >= d for x in built):
             print(f"skipping head_dim {d}: not in this build ({built})")
@@ -84,6 +86,8 @@ def run_cases(cases, varlen_cases, dtypes, window=None):
                 grads = fa2.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det, **both)
             torch.cuda.synchronize()
             assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+            ran += 1
+    return ran
 
 
 def run_kvcache():
@@ -133,16 +137,19 @@ HOPPER_VARLEN = [([0, 1, 77, 300, 5], [3, 0, 64, 129, 500], 4, 2, 64, True),
 
 
 def run_hopper():
+    """The Hopper family's cases; prints what ran, so that a sanitizer's clean summary over nothing cannot pass for
+    one over these kernels."""
     if "sm90" not in fa2.build_info()["families"] or torch.cuda.get_device_capability() != (9, 0):
-        return
+        print("sanitize.py: no Hopper cases (the build or the GPU has no sm_90a family)")
+        return 0
     fa2._C.set_test_overrides(family="sm90")  # test-only (csrc/CONTRACT.md)
-    run_cases(HOPPER_CASES, HOPPER_VARLEN, (torch.bfloat16,))
+    ran = run_cases(HOPPER_CASES, HOPPER_VARLEN, (torch.bfloat16,))
     # GQA/MQA's backward tiles walking a K/V group's query heads (host/plan.cpp: walk_heads; these grids are too
     # small for the plan to pick it): the whole group (gcd with 64), then walks of 2 (float32 slices summed after).
     for walk in (64, 2):
         fa2._C.set_test_overrides(family="sm90", walk_heads=walk)
-        run_cases([c for c in HOPPER_CASES if c[3] != c[4]], [c for c in HOPPER_VARLEN if c[2] != c[3]],
-                  (torch.bfloat16,))
+        ran += run_cases([c for c in HOPPER_CASES if c[3] != c[4]], [c for c in HOPPER_VARLEN if c[2] != c[3]],
+                         (torch.bfloat16,))
     fa2._C.set_test_overrides(family="sm90")
     qkv = torch.randn(2, 257, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
     out, _ = fa2.fwd(*qkv.unbind(2), causal=True)
@@ -160,13 +167,16 @@ def run_hopper():
         out, _ = fa2.fwd(q, k, v, causal=causal, dropout_p=0.3, rng_state=torch.tensor([5, 6], device="cuda"))
         torch.cuda.synchronize()
         assert torch.isfinite(out).all()
+        ran += 1
     fa2._C.set_test_overrides()
+    print(f"sanitize.py: {ran} Hopper cases ran (forward and backward, padded and packed, forced walks, features)")
+    return ran
 
 
 dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)
-run_hopper()
+hopper_ran = run_hopper()
 if "--hopper" in sys.argv:
-    sys.exit(0)
+    sys.exit(0 if hopper_ran else 2)
 run_kvcache()
 if "--kvcache" in sys.argv:
     sys.exit(0)

@@ -15,8 +15,9 @@ import torch
 import fa2
 from fa2 import ops
 
+from fa2.testing import assert_close_to_ref, assert_written, poison
 from test_bwd import check_grads, randn
-from test_varlen import check as check_varlen, pack
+from test_varlen import check as check_varlen, pack, per_sequence_ref
 
 
 def sm90_bwd_built(d=128):
@@ -318,6 +319,54 @@ def test_hopper_varlen_backward_matches_the_reference(d, case, causal, determini
     if deterministic:
         for name, a, b in zip(("dq", "dk", "dv"), run(), run()):
             assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hopper_varlen_backward_of_strided_heads_walking_part_of_a_group(d, dtype, causal, launch_overrides,
+                                                                        require_kernel):
+    """Packed q, k and v as head slices of one (total, h + 2 hk, d) tensor (rows h + 2 hk heads apart, the stride the
+    views' batch mode reuses), 8 query heads on 2 K/V heads walked two at a time: float32 dK/dV slices at each
+    sequence's rows, and the stats offset stepping by total_q (not a multiple of 4) from head to head."""
+    require_kernel("bwd", d, dtype)
+    launch_overrides(family="sm90", walk_heads=2)
+    lengths = [70, 1, 0, 259, 130]
+    h, hk, total = 8, 2, sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    qkv = torch.randn(total, h + 2 * hk, d, device="cuda", dtype=dtype)
+    q, k, v = qkv[:, :h], qkv[:, h:h + hk], qkv[:, h + hk:]
+    out, lse = fa2.fwd_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
+    dout = torch.randn_like(out)
+    grads = [poison(torch.empty_like(t)) for t in (q, k, v)]
+    run = lambda: fa2.bwd_varlen(dout, q, k, v, out, lse, cu, cu, max(lengths), max(lengths), causal=causal,  # noqa: E731
+                                 dq=grads[0], dk=grads[1], dv=grads[2])
+    names = bwd_kernel_names(run)
+    assert any("sm90" in n for n in names) == hopper_bwd_expected(d), names
+    _, _, g64 = per_sequence_ref(q, k, v, cu, cu, causal, dout, upcast=True)
+    _, _, g_low = per_sequence_ref(q, k, v, cu, cu, causal, dout, upcast=False)
+    tag = f"sm90 varlen strided walk 2 d{d} {dtype} causal={causal}"
+    for name, g, r64, rl in zip(("dq", "dk", "dv"), grads, g64, g_low):
+        assert_written(g, name=f"{name} {tag}")
+        assert_close_to_ref(g, r64, rl, name=f"{name} {tag}")
+
+
+def test_a_packed_batch_past_the_int_offsets_goes_to_the_mma_sync_backward(launch_overrides, recording,
+                                                                          require_kernel):
+    """CPU: the Hopper backward's grid, statistics and deterministic semaphores take int offsets over (sequences,
+    heads, max_seqlen_q); a packed batch whose max_seqlen_q makes that product pass 2^31 (its tokens do not) runs on
+    the mma.sync backward, by the plan (the launch would refuse it)."""
+    require_kernel("bwd", 128, torch.bfloat16)
+    built = sm90_bwd_built()
+    launch_overrides(record=True, family="sm90")
+    q, cu = pack([100, 0, 300], 4, 128, torch.bfloat16, device="cpu")
+    k, v = (torch.randn_like(q) for _ in range(2))
+    for max_seqlen, expected in ((300, "sm90" if built else "sm80"), (2 ** 28, "sm80")):
+        fa2.bwd_varlen(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.zeros(4, q.shape[0]), cu, cu,
+                       max_seqlen, max_seqlen)
+        kind, launch = recording.calls[-1]
+        assert kind == "bwd" and launch["plan"]["family"] == expected, (max_seqlen, launch["plan"])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -166,8 +166,9 @@ Family backward_family(const BwdParams& p, DType dtype, int head_dim, const Devi
                                        p.alibi_slopes != nullptr, p.rng_state != nullptr) &&
                       tma_tensor(p.q, p.q_stride) && tma_tensor(p.k, p.k_stride) && tma_tensor(p.v, p.v_stride) &&
                       tma_tensor(p.dout, p.dout_stride) && tma_aligned(p.lse) && tma_aligned(p.d_sum) &&
-                      p.nheads * (p.cu_seqlens_q ? int64_t(p.total_q) : int64_t(p.batch) * p.seqlen_q) <=
-                          INT32_MAX &&  // lse and D: one flat TMA each
+                      // lse and D: one flat TMA each; the deterministic semaphores (batch, nheads, query blocks)
+                      int64_t(p.batch) * p.nheads * p.seqlen_q <= INT32_MAX &&
+                      int64_t(p.nheads) * p.total_q <= INT32_MAX &&  // packed: (nheads, total_q)
                       int64_t(p.batch) * p.nheads * ((p.seqlen_k + 63) / 64) <= INT32_MAX &&  // the tiles, an int
                       sm90::bwd_smem_bytes(sm90::bwd_tile(head_dim, p.causal(), p.cu_seqlens_q != nullptr)) <=
                           device.smem_limit;
