@@ -16,6 +16,7 @@
 #include "sm90/bwd_kernel.h"
 #include "sm90/bwd_traits.h"
 #include "sm90/config.h"
+#include "sm90/seq_rows.h"
 
 namespace fa2::sm90 {
 
@@ -40,22 +41,13 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   }
   bind_context();  // before the driver encodes the TMA descriptors (autograd's thread may have no context yet)
   BwdKernelParams<Traits> k;
-  // q, k, v and dout as TMA sees them: (rows, head dim, heads, batch) with the caller's strides. Rows past a
-  // sequence's end arrive as zeros. Packed sequences (varlen) as the forward views them (fwd_launch.h: tma_view):
-  // rows = max_seqlen, total + 1 batch entries one row apart from a base max_seqlen rows before the tensor, so that
-  // row r of the sequence of tokens [start, start + len) is at (r + max_seqlen - len, start + len) (seq_rows.h) and
-  // TMA's row bound is that sequence's end.
+  // q, k, v and dout as TMA sees them (seq_rows.h: tma_rows_view): rows past a sequence's end arrive as zeros.
   const bool varlen = p.cu_seqlens_q != nullptr;
-  auto tma_view = [&](auto* ptr, const Strides& st, int seqlen, int total, int heads) {
-    auto* base = ptr - (varlen ? int64_t(seqlen) * st.row : 0);
-    return make_tensor(make_gmem_ptr(base), make_shape(seqlen, int32_t(kHeadDim), heads, varlen ? total + 1 : p.batch),
-                       make_stride(st.row, _1{}, st.head, varlen ? st.row : st.batch));
-  };
-  auto elements = [](const void* ptr) { return static_cast<const Element*>(ptr); };
-  Tensor mQ = tma_view(elements(p.q), p.q_stride, p.seqlen_q, p.total_q, p.nheads);
-  Tensor mdO = tma_view(elements(p.dout), p.dout_stride, p.seqlen_q, p.total_q, p.nheads);
-  Tensor mK = tma_view(elements(p.k), p.k_stride, p.seqlen_k, p.total_k, p.nheads_k);
-  Tensor mV = tma_view(elements(p.v), p.v_stride, p.seqlen_k, p.total_k, p.nheads_k);
+  auto in = [](const void* ptr) { return static_cast<const Element*>(ptr); };
+  Tensor mQ = tma_rows_view<kHeadDim>(in(p.q), p.q_stride, p.seqlen_q, p.nheads, p.batch, p.total_q, varlen);
+  Tensor mdO = tma_rows_view<kHeadDim>(in(p.dout), p.dout_stride, p.seqlen_q, p.nheads, p.batch, p.total_q, varlen);
+  Tensor mK = tma_rows_view<kHeadDim>(in(p.k), p.k_stride, p.seqlen_k, p.nheads_k, p.batch, p.total_k, varlen);
+  Tensor mV = tma_rows_view<kHeadDim>(in(p.v), p.v_stride, p.seqlen_k, p.nheads_k, p.batch, p.total_k, varlen);
   using MD = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>;
   using ND = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>;
   k.tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, take<0, 2>(typename Traits::SmemLayoutQ{}), MD{}, _1{});
@@ -79,7 +71,7 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   // TMA drops the rows past a sequence's end.
   const Strides dq_rows = {int64_t(p.nheads) * p.seqlen_q * kHeadDim, int64_t(kHeadDim),
                            int64_t(varlen ? p.total_q : p.seqlen_q) * kHeadDim};
-  Tensor mdQ = tma_view(p.dq_accum, dq_rows, p.seqlen_q, p.total_q, p.nheads);
+  Tensor mdQ = tma_rows_view<kHeadDim>(p.dq_accum, dq_rows, p.seqlen_q, p.nheads, p.batch, p.total_q, varlen);
   k.tma_dq =
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, mdQ, typename Traits::SmemLayoutdQSlab{}, typename Traits::dQSlab{}, _1{});
   k.dk = p.dk, k.dv = p.dv, k.dkv_fp32 = p.dkv_fp32;

@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
     }
     if constexpr (Traits::kStoreByTma) {
       // O to shared memory (stmatrix), then one TMA store of the tile, which clips the rows past the sequence's end
-      // (fwd_launch.h: tma_view), so a packed sequence's tile never writes the next sequence's rows. The
+      // (seq_rows.h: tma_rows_view), so a packed sequence's tile never writes the next sequence's rows. The
       // buffer is rewritten only once the previous tile's store has read it (kEpilogue: both consumer warpgroups).
       Tensor sO = make_tensor(make_smem_ptr(shared.o.data()), typename Traits::SmemLayoutO{});
       Tensor tOrO_out = make_tensor<Element>(tOrO.layout());

@@ -13,6 +13,7 @@
 #include "sm90/api.h"
 #include "sm90/config.h"
 #include "sm90/fwd_kernel.h"
+#include "sm90/seq_rows.h"
 #include "sm90/traits.h"
 
 namespace fa2::sm90 {
@@ -64,29 +65,12 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   }
   bind_context();  // before the driver encodes the TMA descriptors
   FwdKernelParams<Traits> k;
-  // q, k, v and o as TMA sees them, (rows, head dim, heads, batch) with the caller's strides, V as (head dim, keys,
-  // heads, batch) for P V's operand. A padded batch: rows = seqlen, batch entries as they are. Packed sequences
-  // (varlen): rows = max_seqlen, batch = total + 1 entries one row apart, from a base max_seqlen rows before the
-  // tensor: row r of the sequence of tokens [start, start + len) is at (r + max_seqlen - len, batch start + len),
-  // so TMA's bound on the rows is the sequence's end, as a padded batch's is (loads past it bring zeros, never the
-  // next sequence's rows; a store past it writes nothing). fwd_kernel.h: seq_rows.
+  // q, k, v and o as TMA sees them (seq_rows.h: tma_rows_view), V as (head dim, keys, heads, batch) for P V's operand.
   const bool varlen = p.cu_seqlens_q != nullptr;
-  auto tma_view = [&](auto* ptr, const Strides& st, int seqlen, int total, int heads, auto transposed) {
-    auto* base = ptr - (varlen ? int64_t(seqlen) * st.row : 0);
-    const int32_t batches = varlen ? total + 1 : p.batch;
-    const int64_t batch_stride = varlen ? st.row : st.batch;
-    if constexpr (decltype(transposed)::value) {
-      return make_tensor(make_gmem_ptr(base), make_shape(int32_t(kHeadDim), seqlen, heads, batches),
-                         make_stride(_1{}, st.row, st.head, batch_stride));
-    } else {
-      return make_tensor(make_gmem_ptr(base), make_shape(seqlen, int32_t(kHeadDim), heads, batches),
-                         make_stride(st.row, _1{}, st.head, batch_stride));
-    }
-  };
   auto in = [](const void* ptr) { return static_cast<const Element*>(ptr); };
-  Tensor mQ = tma_view(in(p.q), p.q_stride, p.seqlen_q, p.total_q, p.nheads, false_type{});
-  Tensor mK = tma_view(in(p.k), p.k_stride, p.seqlen_k, p.total_k, p.nheads_k, false_type{});
-  Tensor mVt = tma_view(in(p.v), p.v_stride, p.seqlen_k, p.total_k, p.nheads_k, true_type{});
+  Tensor mQ = tma_rows_view<kHeadDim>(in(p.q), p.q_stride, p.seqlen_q, p.nheads, p.batch, p.total_q, varlen);
+  Tensor mK = tma_rows_view<kHeadDim>(in(p.k), p.k_stride, p.seqlen_k, p.nheads_k, p.batch, p.total_k, varlen);
+  Tensor mVt = tma_rows_view<kHeadDim, true>(in(p.v), p.v_stride, p.seqlen_k, p.nheads_k, p.batch, p.total_k, varlen);
   const auto shape_q = mQ.shape(), shape_k = mK.shape();
   k.tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Traits::SmemLayoutQ{},
                           Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
@@ -95,7 +79,8 @@ void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   k.tma_v = make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename Traits::SmemLayoutVt{}),
                           Shape<Int<kHeadDim>, Int<Traits::kBlockN>>{}, _1{});
   if constexpr (Traits::kStoreByTma) {
-    Tensor mO = tma_view(static_cast<Element*>(p.o), p.o_stride, p.seqlen_q, p.total_q, p.nheads, false_type{});
+    Element* o = static_cast<Element*>(p.o);
+    Tensor mO = tma_rows_view<kHeadDim>(o, p.o_stride, p.seqlen_q, p.nheads, p.batch, p.total_q, varlen);
     k.tma_o = make_tma_copy(SM90_TMA_STORE{}, mO, typename Traits::SmemLayoutO{},
                             Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
   }

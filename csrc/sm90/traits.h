@@ -49,7 +49,7 @@ struct FwdTraits {
                                               Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
 
   // Global tensors as TMA sees them: (rows, head dim, heads, batch), and V transposed: (head dim, keys, heads, batch).
-  // Packed sequences (varlen) have the same four modes, the batch one counting rows (fwd_launch.h: tma_view).
+  // Packed sequences (varlen) have the same four modes, the batch one counting rows (seq_rows.h: tma_rows_view).
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
   using StrideQK = Stride<int64_t, _1, int64_t, int64_t>;
   using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;
