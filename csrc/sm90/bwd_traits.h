@@ -206,7 +206,7 @@ struct BwdKernelParams {
   typename Traits::TmaStats tma_lse, tma_d;  // over lse and d_sum, flat
   typename Traits::TmadQ tma_dq;             // reduce-add into dq_accum (the writer's)
   // (rows, head dim, heads, batch); shape_k's heads are nheads_k. Packed sequences (varlen): (max_seqlen, head dim,
-  // heads, total + 1), addressed through seq_rows.h (seq_rows.h: tma_rows_view).
+  // heads, total + 1), addressed through seq_rows.h (tma_rows_view, seq_rows).
   typename Traits::ShapeQKV shape_q, shape_k;
   int32_t stats_total;  // lse's and d_sum's length: batch * nheads * seqlen_q, or nheads * total_q (lse: natural log,
                         // -inf: no key seen; d_sum: D = rowsum(dO * O), which the preprocess writes)
