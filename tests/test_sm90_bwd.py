@@ -125,6 +125,34 @@ def test_a_persistent_cta_computes_every_tile_it_draws(d, b, sq, sk, h, hk, caus
         assert grids == [], grids
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_persistent_tiles_convert_dq_themselves(d, causal, deterministic, launch_overrides, require_kernel):
+    """Persistent tiles (d64, d128's causal tile; not deterministic) write dQ in the input dtype themselves, each query
+    block once every key block that sees it has added its share (sm90/bwd_dq_convert.h), so no convert kernel runs
+    after them; every other Hopper backward keeps that kernel. Twice in a row (a count left from the first call shows
+    in the second's dq), with more query rows than keys (causal: the first 1025 rows see no key, so the blocks of the
+    first 1024 have no share and are converted from the zeroed sums) and dq the caller's NaN-filled, strided buffer."""
+    require_kernel("bwd", d, torch.bfloat16)
+    launch_overrides(family="sm90")
+    q = randn(2, 2048, 4, d)
+    k, v = (randn(2, 1023, 2, d) for _ in range(2))
+    out, lse = fa2.fwd(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    label = f"sm90 dq conversion d{d} causal={causal} deterministic={deterministic}"
+    for call in range(2):
+        dq = torch.full((2, 2048, 6, d), float("nan"), device=q.device, dtype=q.dtype)[:, :, 1:5]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            _, dk, dv = fa2.bwd(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic, dq=dq)
+            torch.cuda.synchronize()
+        check_grads((dq, dk, dv), q, k, v, dout, causal, f"{label} (call {call})")
+    names = {e.name for e in prof.events()}
+    in_kernel = hopper_bwd_expected(d) and not deterministic and (d == 64 or (d == 128 and causal))
+    assert any("convert_dq" in n for n in names) == (not in_kernel), names
+
+
 WALKS = [(64, 3, 1000, 1100, 16, 4), (128, 2, 1500, 700, 24, 8), (128, 2, 700, 1500, 16, 2), (256, 2, 700, 900, 8, 1)]
 
 

@@ -142,6 +142,10 @@ struct BwdParams : FwdParams {
   // Deterministic Hopper backward: per (query block, batch, head), how many key blocks have added their dQ share, then
   // one counter of the CTAs' tickets (int32, zeroed by the launch); null otherwise.
   int* dq_semaphore = nullptr;
+  // Persistent Hopper backward: per (query block of plan.shape.block_m rows, batch, head), how many key blocks' dQ
+  // shares are complete in dq_accum, which lets the kernel convert dQ itself (sm90/bwd_dq_convert.h; int32, zeroed by
+  // the launch); null otherwise.
+  int* dq_done = nullptr;
 };
 
 }  // namespace fa2

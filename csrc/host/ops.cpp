@@ -345,14 +345,16 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout_in, const Tensor&
   p.dk_stride = strides_of(dk_heads), p.dv_stride = strides_of(dv_heads);
   p.dkv_fp32 = grouped;
   // The Hopper backward adds dQ from every key block into dq_accum; deterministic, it takes turns per query block.
-  // Otherwise its persistent CTAs draw their tiles from a counter.
+  // Otherwise its persistent CTAs draw their tiles from a counter and count each query block's shares (dq_done).
   std::optional<Tensor> dq_semaphore, tile_counter;
+  const int64_t m_blocks = (s.seqlen_q + plan.shape.block_m - 1) / plan.shape.block_m;
   if (!deterministic && plan.family == Family::kSm90 && sm90::bwd_persistent(plan.shape)) {
-    tile_counter = new_tensor(q, {1}, ScalarType::Int);
+    // The counts a 128-byte line after the tile counter, so that the CTAs' draws and the counts' polls do not meet.
+    tile_counter = new_tensor(q, {32 + int64_t(s.batch) * nheads * m_blocks}, ScalarType::Int);
     p.tile_counter = static_cast<int*>(tile_counter->data_ptr());
+    p.dq_done = p.tile_counter + 32;
   }
   if (deterministic && plan.family == Family::kSm90) {
-    const int64_t m_blocks = (s.seqlen_q + plan.shape.block_m - 1) / plan.shape.block_m;
     dq_semaphore = new_tensor(q, {int64_t(s.batch) * nheads * m_blocks + 1}, ScalarType::Int);  // + the tickets
     p.dq_semaphore = static_cast<int*>(dq_semaphore->data_ptr());
   }

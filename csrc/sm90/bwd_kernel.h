@@ -6,9 +6,10 @@
 // Q and dO (with lse and D) of every query block of the walk's heads that sees those keys through TMA rings;
 // warpgroups 1 and 2 own 64 keys each, keep dK and dV in registers for the whole stream (so a group's sum costs no
 // memory traffic), and stage each query block's dQ share in shared memory, which warp 1 of warpgroup 0 adds into the
-// fp32 dq_accum by TMA reduce-add. The next tile's first Q and dO land while this one ends, and its K and V once this
-// one's last GEMM that reads them retired. d256 keeps the prologue, the producer and the writer (which takes its
-// dQ per 128-column half); its MMA warpgroups are bwd_mma_wide.h's.
+// fp32 dq_accum by TMA reduce-add; in persistent launches warps 2 and 3 convert each query block's sums to dQ once
+// they are complete (bwd_dq_convert.h). The next tile's first Q and dO land while this one ends, and its K and V once
+// this one's last GEMM that reads them retired. d256 keeps the prologue, the producer and the writer (which takes
+// its dQ per 128-column half); its MMA warpgroups are bwd_mma_wide.h's.
 //                                                                                      docs/tuning.md#sm90-backward
 //
 // Names: g* global tiles, s* shared (s*t: the transposed view of the same bytes), t*r* register fragments partitioned
@@ -24,6 +25,7 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "sm90/bwd_dq_convert.h"
 #include "sm90/bwd_dq_stage.h"
 #include "sm90/bwd_mma_wide.h"
 #include "sm90/bwd_traits.h"
@@ -158,8 +160,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   do_pipe_params.transaction_bytes = Traits::kBytesQ;  // dO's tile and D's box
   PipelinedO do_pipe(shared.do_pipe, do_pipe_params, Shape<_1, _1, _1>{});
   __syncthreads();  // the barriers are initialised (and the ticket drawn) before anyone waits on them
-  // The CTA's first tile (persistent kernels' grids are 1-D); a CTA-per-tile kernel's blockIdx.x when not
-  // deterministic, which work_of below does not read.
+  // A CTA-per-tile kernel's tile: its blockIdx.x, which work_of below does not read, or in deterministic mode its
+  // ticket. Persistent CTAs draw every tile from the counter (the producer, below).
   const int first_tile = p.dq_semaphore ? shared.ticket : int(blockIdx.x);
   // The work of tile t: persistent kernels take t apart; the others have one tile, their blockIdx, or in deterministic
   // mode their ticket taken apart as blockIdx would be.
@@ -212,7 +214,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         if (t >= num_tiles) break;
         const BwdWork w = work_of(t);
         const SeqRows seq = seq_rows<kPacks>(p, w.batch);
-        const int m_count = w.m_end - w.m_begin, n_block = w.n_block, diagonal = seq.seqlen_k - seq.seqlen_q;
+        const int m_count = w.m_end - w.m_begin, n_block = w.n_block;
         if (m_count <= 0) continue;
         if (owed) {
           cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty);
@@ -228,10 +230,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
                                      p.tma_dq.get_tma_tensor(p.shape_q)(_, _, head, seq.q_coord));
           Tensor gdQ = local_tile(mdQ, typename Traits::dQSlab{}, make_coord(_, _));  // (M, 64, m, slab)
           int* semaphore = p.dq_semaphore ? p.dq_semaphore + w.batch * p.nheads + head : nullptr;
+          // Persistent tiles: the converter's count of this query block's shares in (bwd_dq_convert.h).
+          int* done = kPersistent && p.dq_done ? p.dq_done + w.batch * p.nheads + head : nullptr;
           if (semaphore && leader) {
             const int n_blocks = kPacks ? ceil_div(seq.seqlen_k, kBlockN) : p.n_blocks;  // the sequence's
-            const int visitors = p.causal ? min(n_blocks, (m * kBlockM + kBlockM - 1 + diagonal) / kBlockN + 1)
-                                          : n_blocks;
+            const int visitors = dq_visitors<kBlockM, kBlockN>(m, seq.seqlen_q, seq.seqlen_k, n_blocks, p.causal);
             const int turn = p.causal ? visitors - 1 - n_block : p.dq_rotate ? rotated(m - w.m_begin) : n_block;
             wait_for_turn(semaphore + m * semaphore_stride, turn);
           }
@@ -261,11 +264,18 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
             if (!last) cutlass::arch::NamedBarrier::arrive(kdQThreads, kdQEmpty + 1);
           }
           if (semaphore && leader) pass_turn(semaphore + m * semaphore_stride);
+          if (done && leader) pass_turn(done + m * semaphore_stride);  // complete in global memory, then counted
           __syncwarp();
         }
         owed = true;
       }
       return;
+    }
+    if constexpr (kPersistent) {
+      if (warp >= kConvertWarp) {
+        if (p.dq_done) convert_dq<kBlockM, kBlockN, kHeadDim, kPacks, Element>(p, threadIdx.x - kConvertWarp * 32);
+        return;
+      }
     }
     if (warp != 0 || !cute::elect_one_sync()) return;
     // Every key block of the head reads the same Q and dO blocks: keep them in L2. Not unrolled over the ring's
@@ -280,7 +290,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         // The next tile: persistent CTAs draw it from the counter once the previous tile's loads are issued (about
         // two blocks before its end, so that a CTA commits late, as the hardware's dispatch would), a CTA per tile
         // (deterministic mode) none. Then it is published (a tile past the last tells the other warps to stop).
-        if (tile_i > 0) t = p.tile_counter ? atomicAdd(p.tile_counter, 1) + int(gridDim.x) : num_tiles;
+        // The first tile too comes from the counter: a CTA that starts late (its SM held by another stream's work)
+        // finds the tiles taken, so the converters of the running CTAs, which wait for every tile's dQ shares
+        // (bwd_dq_convert.h), never wait for a CTA that has not started.
+        if (p.tile_counter) {
+          t = atomicAdd(p.tile_counter, 1);
+        } else if (tile_i > 0) {
+          t = num_tiles;
+        }
         shared.tiles.put(tile_i, t);
         if (t >= num_tiles) break;
       }

@@ -1,7 +1,8 @@
 // Backward: the launches of a plan (common/plan.h) on the Hopper family: the mma.sync family's preprocess (D and
-// dq_accum zeroed) and dQ conversion around this family's main kernel, whose dq_accum is laid out as theirs (row-major
-// fp32, lse's rows). Included only by its generated TUs (sm_90a code, instantiations/axes.json), one (head dim, dtype)
-// each: builds the TMA descriptors of this call's q, k, v and dout.                       docs/tuning.md#sm90-backward
+// dq_accum zeroed) before this family's main kernel, whose dq_accum is laid out as theirs (row-major fp32, lse's rows),
+// and their dQ conversion after it where the kernel does not convert dQ itself (persistent tiles do). Included only
+// by its generated TUs (sm_90a code, instantiations/axes.json), one (head dim, dtype) each: builds the TMA descriptors
+// of this call's q, k, v and dout.                                                         docs/tuning.md#sm90-backward
 #pragma once
 
 #include <algorithm>
@@ -84,6 +85,8 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   k.causal = p.causal();
   k.head_group = p.head_group;
   k.dq_semaphore = p.dq_semaphore;
+  k.dq_accum = p.dq_accum, k.dq = p.dq;
+  k.dq_row_stride = p.dq_stride.row, k.dq_head_stride = p.dq_stride.head, k.dq_batch_stride = p.dq_stride.batch;
   k.m_blocks = ceil_div_host(p.seqlen_q, Traits::kBlockM);
   k.batch = p.batch;
   // Rotated walks make a key block wait for higher ones of its head (bwd_kernel.h), which is safe only when a whole
@@ -120,14 +123,23 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   const int tiles = n_blocks * k.tile_heads * p.batch;
   const bool persistent = Traits::kPersistent && p.dq_semaphore == nullptr && p.tile_counter != nullptr;
   k.tile_counter = persistent ? p.tile_counter : nullptr;
+  // Persistent CTAs convert dQ as its query blocks complete (bwd_dq_convert.h), so no kernel runs after them.
+  const bool converts = persistent && p.dq_done != nullptr;
+  k.dq_done = converts ? p.dq_done : nullptr;
+  if (converts) {
+    const size_t bytes = sizeof(int) * size_t(k.m_blocks) * p.batch * p.nheads;
+    check_cuda(cudaMemsetAsync(p.dq_done, 0, bytes, stream), "sm90 bwd dq_done zeroing");
+  }
   const dim3 grid = !Traits::kPersistent ? dim3(n_blocks, k.tile_heads, p.batch)
                     : persistent         ? dim3(std::min(tiles, device_sm_count()))
                                          : dim3(tiles);
   kernel<<<grid, kBwdThreads, smem, stream>>>(k);
   check_cuda(cudaGetLastError(), "sm90 bwd launch");
 
-  bwd_convert_dq_kernel<Element><<<row_grid, 32 * kRowKernelWarps, 0, stream>>>(p);
-  check_cuda(cudaGetLastError(), "sm90 bwd convert launch");
+  if (!converts) {
+    bwd_convert_dq_kernel<Element><<<row_grid, 32 * kRowKernelWarps, 0, stream>>>(p);
+    check_cuda(cudaGetLastError(), "sm90 bwd convert launch");
+  }
 }
 
 // The plan's tile: one kernel per head dim, two where full attention's tile is not causal's (d128).

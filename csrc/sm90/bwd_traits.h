@@ -223,7 +223,7 @@ struct BwdKernelParams {
   int walk_heads;  // query heads a tile walks (of one K/V group; bwd_kernel.h: BwdWork), summing dK and dV in registers
   int tile_heads;  // nheads / walk_heads
   float scale_log2;     // softmax_scale * log2(e)
-  float softmax_scale;  // dK's scale (dQ's is the convert kernel's)
+  float softmax_scale;  // dK's and dQ's scale
   bool causal;
   int head_group;  // causal: key blocks go heaviest first within groups of walks (common/schedule.h); 0: grid order
   int* dq_semaphore;  // deterministic: (query block, batch, head) -> key blocks whose dQ share is in, then the tickets
@@ -231,6 +231,12 @@ struct BwdKernelParams {
   int n_blocks, batch;  // the tiles: n_blocks x tile_heads x batch, key blocks fastest (bwd_kernel.h: bwd_work)
   int* tile_counter;    // persistent launch: tiles handed out past the first gridDim.x (zeroed before it); else null
   bool dq_rotate;     // deterministic full attention: key block n walks from query block n mod m_blocks (bwd_kernel.h)
+  // Persistent tiles: dQ converted in the kernel (bwd_dq_convert.h). dq_done: (query block, batch, head) -> the key
+  // blocks whose share is complete in dq_accum (zeroed before the launch); null where the convert kernel runs after.
+  int* dq_done;
+  const float* dq_accum;
+  void* dq;  // (batch, seqlen_q, nheads, head dim), Element; packed (total_q, ...) without a batch stride
+  int64_t dq_row_stride, dq_head_stride, dq_batch_stride;
 };
 
 }  // namespace fa2::sm90
