@@ -229,7 +229,7 @@ struct BwdKernelParams {
   int* dq_semaphore;  // deterministic: (query block, batch, head) -> key blocks whose dQ share is in, then the tickets
   int m_blocks;       // query blocks per head
   int n_blocks, batch;  // the tiles: n_blocks x tile_heads x batch, key blocks fastest (bwd_kernel.h: bwd_work)
-  int* tile_counter;    // persistent launch: tiles handed out past the first gridDim.x (zeroed before it); else null
+  int* tile_counter;    // persistent launch: the tiles handed out, every one drawn from it (zeroed before); else null
   bool dq_rotate;     // deterministic full attention: key block n walks from query block n mod m_blocks (bwd_kernel.h)
   // Persistent tiles: dQ converted in the kernel (bwd_dq_convert.h). dq_done: (query block, batch, head) -> the key
   // blocks whose share is complete in dq_accum (zeroed before the launch); null where the convert kernel runs after.
