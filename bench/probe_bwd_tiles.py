@@ -1,14 +1,13 @@
 """The d128 full-attention backward on its two Hopper tiles, side by side with SDPA-cuDNN, one process (session 37):
-the plan's 80-row tile (a padded call) against the 64-row persistent tile (the same tokens packed: varlen runs it), bf16,
-16k tokens, hidden 2048; d64 (one tile both ways) as the control. Prints the kernels each call ran (torch.profiler).
+the plan's 80-row tile (a padded call) against the 64-row persistent tile (the same tokens packed: varlen runs it),
+bf16, 16k tokens, hidden 2048; d64 (one tile both ways) as the control. Prints the kernels each call ran.
 
     python3 bench/probe_bwd_tiles.py [build dir]
 """
 import sys
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 import common
 
@@ -30,14 +29,11 @@ def kernels(fn):
 for d in (128, 64):
     for n in (1024, 2048, 4096, 8192, 16384):
         b, h = 16384 // n, 2048 // d
-        q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        out, lse = fa2.fwd(q, k, v)
+        q, k, v, do, out, lse, (qt, kt, vt), o = common.paired_inputs(fa2, b, n, h, d, torch.bfloat16, False,
+                                                                      SDPBackend.CUDNN_ATTENTION)
         cu = torch.arange(0, b + 1, device="cuda", dtype=torch.int32) * n
         qp, kp, vp, dop = (t.reshape(b * n, h, d) for t in (q, k, v, do))
         outp, lsep = fa2.fwd_varlen(qp, kp, vp, cu, cu, n, n)
-        qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            o = F.scaled_dot_product_attention(qt, kt, vt)
         calls = {
             "dense": lambda: fa2.bwd(do, q, k, v, out, lse),
             "packed": lambda: fa2.bwd_varlen(dop, qp, kp, vp, outp, lsep, cu, cu, n, n),
@@ -45,7 +41,7 @@ for d in (128, 64):
         }
         ms = {name: min(common.time_ms(fn) for _ in range(3)) for name, fn in calls.items()}
         flops = 2.5 * 4 * b * h * n * n * d
-        print(f"d{d} n={n}: " + "  ".join(f"{k} {v * 1e3:.1f} us {flops / v / 1e9:.0f} TF" for k, v in ms.items())
-              + f"  dense/packed time {ms['dense'] / ms['packed']:.3f}", flush=True)
+        cells = "  ".join(f"{name} {t * 1e3:.1f} us {flops / t / 1e9:.0f} TF" for name, t in ms.items())
+        print(f"d{d} n={n}: {cells}  dense/packed time {ms['dense'] / ms['packed']:.3f}", flush=True)
         if n == 1024:
             print("   kernels", {name: kernels(calls[name]) for name in ("dense", "packed")})
