@@ -188,7 +188,7 @@ struct BwdTraits {
     alignas(16) cutlass::arch::ClusterTransactionBarrier kv_full;  // K and V landed
     alignas(16) cutlass::arch::ClusterBarrier kv_empty;  // a tile's last GEMM that reads K and V retired (persistent)
     // The tiles a persistent CTA's producer drew (tile_scheduler.h); the MMA warpgroups and the dQ writer read them.
-    alignas(16) TileMailbox tiles;
+    alignas(16) TileMailbox<> tiles;
     alignas(16) typename Pipeline::SharedStorage q_pipe;
     alignas(16) typename PipelinedO::SharedStorage do_pipe;
     int ticket;  // deterministic mode: this CTA's place in the order (bwd_kernel.h)

@@ -102,18 +102,21 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
     auto v_stage = k_stage;
     int q_loads = 0;
     for (int i = 0, r = blockIdx.x;; ++i) {
-      // Draw r is tile r of the grid; varlen: real tile r, whose grid index the consumers get (tile_scheduler.h:
-      // varlen_tile; the launch wrote the prefix of query blocks after the counter).
+      // Draw r is tile r of the grid; varlen: real tile r, found by its grid index (tile_scheduler.h: varlen_tile; the
+      // launch wrote the prefix of query blocks after the counter).
       const int t = p.cu_seqlens_q == nullptr ? r : varlen_tile(scheduler, p.tile_counter + 1, r);
-      // Publish tile t (a tile past the end tells the consumers to stop), and draw the next.
-      shared.tiles.put(i, t);
-      if (t >= num_tiles) break;
+      if (t >= num_tiles) {
+        shared.tiles.put(i, FwdTile{t});  // past the end: the consumers stop
+        break;
+      }
+      // Take tile t apart, publish it, and draw the next.
       const WorkTile w = scheduler.tile(t);
       const SeqRows seq = seq_rows(p, w.batch);
-      r = atomicAdd(p.tile_counter, 1) + int(gridDim.x);
-      const int head_kv = w.head / p.head_group_kv;
       const int2 band =
           key_blocks<kBlockM, kBlockN>(w.m_block, seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+      shared.tiles.put(i, FwdTile{t, w, seq, band.x, band.y});
+      r = atomicAdd(p.tile_counter, 1) + int(gridDim.x);
+      const int head_kv = w.head / p.head_group_kv;
       const int n_begin = band.x, n_end = band.y;
       if (n_end <= n_begin) continue;  // the consumers write this tile's empty rows without loads
       // (rows, d) of this sequence and head; Q's coordinates shifted so that TMA's row bound is the sequence's end.
@@ -191,13 +194,12 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
   if (warpgroup == 1) pingpong.take_first_turn();
 
   for (int i = 0;; ++i) {
-    const int t = shared.tiles.take(i);
-    if (t >= num_tiles) break;
-    const WorkTile w = scheduler.tile(t);
-    const SeqRows seq = seq_rows(p, w.batch);
+    const FwdTile tile = shared.tiles.take(i);
+    if (tile.index >= num_tiles) break;
+    const WorkTile w = tile.w;
+    const SeqRows seq = tile.seq;
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, diagonal = seqlen_k - seqlen_q;
-    const int2 band = key_blocks<kBlockM, kBlockN>(w.m_block, seqlen_q, seqlen_k, p.window_left, p.window_right);
-    const int n_begin = band.x, n_end = band.y;
+    const int n_begin = tile.n_begin, n_end = tile.n_end;
     const int first_row = w.m_block * kBlockM, last_row = first_row + kBlockM - 1;
     clear(tOrO);
     softmax.reset();

@@ -69,30 +69,40 @@ CUTE_HOST_DEVICE int varlen_tile(TileScheduler const& s, const int* blocks, int 
 
 // A persistent kernel's tiles, handed from its producer warp to the warps that compute them through shared memory.
 // Two slots, so that the producer may draw one tile ahead: the CTA's i-th tile travels in slot i % 2, and a tile past
-// the last tells the readers to stop. The slot's mbarrier arrive releases the index and its wait acquires it; the
-// compiler must not move the access across them (their asm names no memory), hence the volatile access and fences.
+// the last tells the readers to stop. An Item is the tile's grid index, or what the producer already worked out about
+// it (the forward's FwdTile), so that the readers do not take it apart again at every tile's start. The slot's
+// mbarrier arrive releases the item and its wait acquires it; the compiler must not move the accesses across them
+// (their asm names no memory), hence the volatile word copies and fences.
+template <class Item = int>
 struct TileMailbox {
+  static_assert(sizeof(Item) % sizeof(int) == 0 && alignof(Item) <= alignof(int), "copied as ints");
+  static constexpr int kWords = sizeof(Item) / sizeof(int);
   alignas(16) cutlass::arch::ClusterBarrier full[2];   // a slot written (the producer)
   alignas(16) cutlass::arch::ClusterBarrier empty[2];  // a slot read (every reader)
-  int tiles[2];
+  int items[2][kWords];
 
   CUTE_DEVICE void init(int readers) {
     for (int s = 0; s < 2; ++s) full[s].init(1), empty[s].init(readers);
   }
-  // The producer: the CTA's i-th tile is t (waits until every reader took tile i - 2 from the slot).
-  CUTE_DEVICE void put(int i, int t) {
+  // The producer: the CTA's i-th tile is `item` (waits until every reader took tile i - 2 from the slot).
+  CUTE_DEVICE void put(int i, Item const& item) {
     if (i >= 2) empty[i & 1].wait(((i >> 1) - 1) & 1);
-    *reinterpret_cast<volatile int*>(&tiles[i & 1]) = t;
+    const int* from = reinterpret_cast<const int*>(&item);
+    CUTE_UNROLL
+    for (int k = 0; k < kWords; ++k) reinterpret_cast<volatile int*>(items[i & 1])[k] = from[k];
     asm volatile("" ::: "memory");
     full[i & 1].arrive();
   }
   // Every reader, once per tile, in order.
-  CUTE_DEVICE int take(int i) {
+  CUTE_DEVICE Item take(int i) {
     full[i & 1].wait((i >> 1) & 1);
     asm volatile("" ::: "memory");
-    const int t = *reinterpret_cast<const volatile int*>(&tiles[i & 1]);
+    Item item;
+    int* to = reinterpret_cast<int*>(&item);
+    CUTE_UNROLL
+    for (int k = 0; k < kWords; ++k) to[k] = reinterpret_cast<const volatile int*>(items[i & 1])[k];
     empty[i & 1].arrive();
-    return t;
+    return item;
   }
 };
 

@@ -12,10 +12,22 @@
 
 #include "common/dtype.h"
 #include "sm90/config.h"
+#include "sm90/seq_rows.h"
 #include "sm90/tile_scheduler.h"
 
 namespace fa2::sm90 {
 using namespace cute;
+
+// A forward tile as the producer hands it to the consumers: its grid index (>= the tile count: stop), its place, its
+// sequence's rows and the key blocks its rows see. The producer works all of it out for its loads; the consumers
+// taking it apart again cost each tile ~900 cycles of integer divisions and loads before its first Q K^T
+// (docs/tuning.md#sm90-forward).
+struct FwdTile {
+  int index;
+  WorkTile w;
+  SeqRows seq;
+  int n_begin, n_end;
+};
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, DType kDType>
 struct FwdTraits {
@@ -85,7 +97,7 @@ struct FwdTraits {
     cute::array_aligned<Element, kStoreByTma ? cute::cosize_v<SmemLayoutO> : 8, 1024> o;
     alignas(16) cutlass::arch::ClusterTransactionBarrier q_full;  // Q landed (the producer's TMA)
     alignas(16) cutlass::arch::ClusterBarrier q_empty;           // Q read by every Q K^T of the tile (the consumers)
-    alignas(16) TileMailbox tiles;  // the tiles the producer drew (tile_scheduler.h); the consumers read them
+    alignas(16) TileMailbox<FwdTile> tiles;  // the tiles the producer drew, taken apart; the consumers read them
     alignas(16) typename Pipeline::SharedStorage k_pipe;
     alignas(16) typename Pipeline::SharedStorage v_pipe;
   };
