@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
       const SeqRows seq = seq_rows(p, w.batch);
       const int2 band =
           key_blocks<kBlockM, kBlockN>(w.m_block, seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
-      shared.tiles.put(i, FwdTile{t, w, seq, band.x, band.y});
+      shared.tiles.put(i, FwdTile{t, w, band.x, band.y});
       r = atomicAdd(p.tile_counter, 1) + int(gridDim.x);
       const int head_kv = w.head / p.head_group_kv;
       const int n_begin = band.x, n_end = band.y;
@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
     const FwdTile tile = shared.tiles.take(i);
     if (tile.index >= num_tiles) break;
     const WorkTile w = tile.w;
-    const SeqRows seq = tile.seq;
+    const SeqRows seq = seq_rows(p, w.batch);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, diagonal = seqlen_k - seqlen_q;
     const int n_begin = tile.n_begin, n_end = tile.n_end;
     const int first_row = w.m_block * kBlockM, last_row = first_row + kBlockM - 1;

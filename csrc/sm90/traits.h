@@ -12,20 +12,18 @@
 
 #include "common/dtype.h"
 #include "sm90/config.h"
-#include "sm90/seq_rows.h"
 #include "sm90/tile_scheduler.h"
 
 namespace fa2::sm90 {
 using namespace cute;
 
-// A forward tile as the producer hands it to the consumers: its grid index (>= the tile count: stop), its place, its
-// sequence's rows and the key blocks its rows see. The producer works all of it out for its loads; the consumers
-// taking it apart again cost each tile ~900 cycles of integer divisions and loads before its first Q K^T
-// (docs/tuning.md#sm90-forward).
+// A forward tile as the producer hands it to the consumers: its grid index (>= the tile count: stop), its place and the
+// key blocks its rows see, which the producer works out for its loads anyway. The consumers taking the index apart
+// again spent ~900 cycles a tile before their first Q K^T (docs/tuning.md#sm90-forward). The sequence's rows stay
+// with the consumers (seq_rows): a padded batch's are parameters, which take no register across the loop.
 struct FwdTile {
   int index;
   WorkTile w;
-  SeqRows seq;
   int n_begin, n_end;
 };
 
