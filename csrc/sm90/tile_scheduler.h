@@ -106,4 +106,14 @@ struct TileMailbox {
   }
 };
 
+// Every word of `item` as lane 0 holds it: a shuffle from a constant lane is what ptxas reads as warp-uniform.
+template <class Item>
+CUTE_DEVICE Item warp_uniform(Item item) {
+  static_assert(sizeof(Item) % sizeof(int) == 0, "copied as ints");
+  int* words = reinterpret_cast<int*>(&item);
+  CUTE_UNROLL
+  for (int k = 0; k < int(sizeof(Item) / sizeof(int)); ++k) words[k] = __shfl_sync(0xffffffff, words[k], 0);
+  return item;
+}
+
 }  // namespace fa2::sm90
