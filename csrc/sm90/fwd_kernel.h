@@ -194,8 +194,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
   if (warpgroup == 1) pingpong.take_first_turn();
 
   for (int i = 0;; ++i) {
-    // Lane 0's copy, broadcast, so that ptxas knows the tile warp-uniform: read from shared memory, the loop's bounds
-    // and bookkeeping left the uniform datapath (the d64 loop 8% slower, docs/tuning.md#tried-and-not-kept).
+    // Lane 0's copy, broadcast: ptxas then knows the tile warp-uniform and keeps the loop's bookkeeping on the uniform
+    // datapath (taken from shared memory as it is, the d64 loop ran 8% slower; docs/tuning.md#sm90-forward).
     const FwdTile tile = warp_uniform(shared.tiles.take(i));
     if (tile.index >= num_tiles) break;
     const WorkTile w = tile.w;
