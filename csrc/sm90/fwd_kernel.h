@@ -102,11 +102,11 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
     auto v_stage = k_stage;
     int q_loads = 0;
     for (int i = 0, r = blockIdx.x;; ++i) {
-      // Draw r is tile r of the grid; varlen: real tile r, found by its grid index (tile_scheduler.h: varlen_tile; the
+      // Draw r is tile r of the grid; varlen: real tile r, whose grid index varlen_tile finds (tile_scheduler.h; the
       // launch wrote the prefix of query blocks after the counter).
       const int t = p.cu_seqlens_q == nullptr ? r : varlen_tile(scheduler, p.tile_counter + 1, r);
       if (t >= num_tiles) {
-        shared.tiles.put(i, FwdTile{t});  // past the end: the consumers stop
+        shared.tiles.put(i, FwdWork{t});  // past the end: the consumers stop
         break;
       }
       // Take tile t apart, publish it, and draw the next.
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
       const SeqRows seq = seq_rows(p, w.batch);
       const int2 band =
           key_blocks<kBlockM, kBlockN>(w.m_block, seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
-      shared.tiles.put(i, FwdTile{t, w, band.x, band.y});
+      shared.tiles.put(i, FwdWork{t, w, band.x, band.y});
       r = atomicAdd(p.tile_counter, 1) + int(gridDim.x);
       const int head_kv = w.head / p.head_group_kv;
       const int n_begin = band.x, n_end = band.y;
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT Fwd
   for (int i = 0;; ++i) {
     // Lane 0's copy, broadcast: ptxas then knows the tile warp-uniform and keeps the loop's bookkeeping on the uniform
     // datapath (taken from shared memory as it is, the d64 loop ran 8% slower; docs/tuning.md#sm90-forward).
-    const FwdTile tile = warp_uniform(shared.tiles.take(i));
+    const FwdWork tile = warp_uniform(shared.tiles.take(i));
     if (tile.index >= num_tiles) break;
     const WorkTile w = tile.w;
     const SeqRows seq = seq_rows(p, w.batch);

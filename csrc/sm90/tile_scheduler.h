@@ -9,6 +9,8 @@
 // another head's K and V, from memory).
 #pragma once
 
+#include <type_traits>
+
 #include <cute/config.hpp>
 #include <cutlass/arch/barrier.h>
 
@@ -52,7 +54,7 @@ struct TileScheduler {
 // tiles can lie past their sequence's end. The producer draws real tiles only: r numbers them sequence by sequence
 // from `blocks` (blocks[b]: the query blocks of the sequences before b, fwd_launch.h: varlen_tile_prefix), within a
 // sequence in the grid's order (plain: each head's blocks in turn; heaviest first: every head's last block first).
-// Returns the grid index of real tile r, which the consumers decode as for a padded batch, or num_tiles() past the
+// Returns the grid index of real tile r, which the producer decodes as for a padded batch, or num_tiles() past the
 // last one. Each draw was an atomic round trip per empty tile before (docs/tuning.md#sm90-forward).
 CUTE_HOST_DEVICE int varlen_tile(TileScheduler const& s, const int* blocks, int r) {
   const int nheads = s.nheads;
@@ -70,12 +72,13 @@ CUTE_HOST_DEVICE int varlen_tile(TileScheduler const& s, const int* blocks, int 
 // A persistent kernel's tiles, handed from its producer warp to the warps that compute them through shared memory.
 // Two slots, so that the producer may draw one tile ahead: the CTA's i-th tile travels in slot i % 2, and a tile past
 // the last tells the readers to stop. An Item is the tile's grid index, or what the producer already worked out about
-// it (the forward's FwdTile), so that the readers do not take it apart again at every tile's start. The slot's
+// it (the forward's FwdWork), so that the readers do not take it apart again at every tile's start. The slot's
 // mbarrier arrive releases the item and its wait acquires it; the compiler must not move the accesses across them
 // (their asm names no memory), hence the volatile word copies and fences.
 template <class Item = int>
 struct TileMailbox {
-  static_assert(sizeof(Item) % sizeof(int) == 0 && alignof(Item) <= alignof(int), "copied as ints");
+  static_assert(sizeof(Item) % sizeof(int) == 0 && alignof(Item) % alignof(int) == 0 &&
+                    std::is_trivially_copyable_v<Item>, "copied as ints");
   static constexpr int kWords = sizeof(Item) / sizeof(int);
   alignas(16) cutlass::arch::ClusterBarrier full[2];   // a slot written (the producer)
   alignas(16) cutlass::arch::ClusterBarrier empty[2];  // a slot read (every reader)
@@ -101,6 +104,7 @@ struct TileMailbox {
     int* to = reinterpret_cast<int*>(&item);
     CUTE_UNROLL
     for (int k = 0; k < kWords; ++k) to[k] = reinterpret_cast<const volatile int*>(items[i & 1])[k];
+    asm volatile("" ::: "memory");
     empty[i & 1].arrive();
     return item;
   }
@@ -109,7 +113,8 @@ struct TileMailbox {
 // Every word of `item` as lane 0 holds it: a shuffle from a constant lane is what ptxas reads as warp-uniform.
 template <class Item>
 CUTE_DEVICE Item warp_uniform(Item item) {
-  static_assert(sizeof(Item) % sizeof(int) == 0, "copied as ints");
+  static_assert(sizeof(Item) % sizeof(int) == 0 && alignof(Item) % alignof(int) == 0 &&
+                    std::is_trivially_copyable_v<Item>, "copied as ints");
   int* words = reinterpret_cast<int*>(&item);
   CUTE_UNROLL
   for (int k = 0; k < int(sizeof(Item) / sizeof(int)); ++k) words[k] = __shfl_sync(0xffffffff, words[k], 0);

@@ -21,7 +21,7 @@ using namespace cute;
 // key blocks its rows see, which the producer works out for its loads anyway. The consumers taking the index apart
 // again spent ~900 cycles a tile before their first Q K^T (docs/tuning.md#sm90-forward). The sequence's rows stay
 // with the consumers (seq_rows): a padded batch's are parameters, which take no register across the loop.
-struct FwdTile {
+struct FwdWork {
   int index;
   WorkTile w;
   int n_begin, n_end;
@@ -95,7 +95,7 @@ struct FwdTraits {
     cute::array_aligned<Element, kStoreByTma ? cute::cosize_v<SmemLayoutO> : 8, 1024> o;
     alignas(16) cutlass::arch::ClusterTransactionBarrier q_full;  // Q landed (the producer's TMA)
     alignas(16) cutlass::arch::ClusterBarrier q_empty;           // Q read by every Q K^T of the tile (the consumers)
-    alignas(16) TileMailbox<FwdTile> tiles;  // the tiles the producer drew, taken apart; the consumers read them
+    alignas(16) TileMailbox<FwdWork> tiles;  // the tiles the producer drew, taken apart; the consumers read them
     alignas(16) typename Pipeline::SharedStorage k_pipe;
     alignas(16) typename Pipeline::SharedStorage v_pipe;
   };
