@@ -184,9 +184,8 @@ def cpu_worker(rank, world, port, out_dir):
     from test_context_parallel import ReferenceKernels
     from test_context_parallel_ring import same_on_every_rank
 
-    # One thread a rank: with 8 threads on a loaded machine, 4 ranks' all-gather runs differed from the unsharded
-    # result by up to 4e-10 (in 1 element of 10,000) where single runs agree to 1e-14; cause not found (docs/log.md,
-    # session 38).
+    # One thread a rank: with 8 threads on a loaded machine, some 4-rank all-gather runs differed from the unsharded
+    # result by up to 4.4e-10, where runs on one thread agree to 3e-15; cause not found (docs/log.md, session 38).
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
