@@ -382,6 +382,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     auto thr_sdp = mma_sdp.get_thread_slice(tid);
     auto thr_dkv = mma_dkv.get_thread_slice(tid);
     auto thr_dq = mma_dq.get_thread_slice(tid);
+    // The shared-memory operands' wgmma descriptors depend on the warpgroup only. At the 80-row tile they are taken for
+    // the warpgroup's first thread, an index ptxas knows warp-uniform, so they stay in uniform registers (no R2UR before
+    // each wgmma): 1-3% faster there; the other tiles measured slower so (docs/tuning.md#sm90-backward).
+    const int desc_tid = kBlockM == 80 ? (cutlass::canonical_warp_group_idx() - 1) * kWarpgroupThreads : tid;
+    auto desc_sdp = mma_sdp.get_thread_slice(desc_tid);
+    auto desc_dkv = mma_dkv.get_thread_slice(desc_tid);
+    auto desc_dq = mma_dq.get_thread_slice(desc_tid);
     Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<N, D>{});
     Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<N, D>{});
     Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});     // (d, M, stages)
@@ -391,14 +398,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     Tensor sdSt = make_tensor(make_smem_ptr(shared.dS.data()), typename Traits::SmemLayoutdSt{});  // (N, M, stages)
     // Operands: K and V are S^T's and dP^T's A (M = keys), Q and dO their B (N = queries); dO^T and Q^T are dV's and
     // dK's B (N = d, K = queries); dS and K^T are dQ's A and B (swapped: dQ^T's B and A).
-    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
-    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
-    Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
-    Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
-    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);
-    Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
-    Tensor tdQrdS = partition_fragment_ab<!kdQSwapAB>(thr_dq, sdS);
-    Tensor tdQrK = partition_fragment_ab<kdQSwapAB>(thr_dq, sKt);
+    Tensor tSrK = desc_sdp.partition_fragment_A(sK);
+    Tensor tSrQ = desc_sdp.partition_fragment_B(sQ);
+    Tensor tdPrV = desc_sdp.partition_fragment_A(sV);
+    Tensor tdPrdO = desc_sdp.partition_fragment_B(sdO);
+    Tensor tdVrdO = desc_dkv.partition_fragment_B(sdOt);
+    Tensor tdKrQ = desc_dkv.partition_fragment_B(sQt);
+    Tensor tdQrdS = partition_fragment_ab<!kdQSwapAB>(desc_dq, sdS);
+    Tensor tdQrK = partition_fragment_ab<kdQSwapAB>(desc_dq, sKt);
     const int mma_warpgroup = warpgroup - 1;
     bool slab_used = false;
     // dS^T registers -> sdS through the transposed view (stmatrix.trans).
