@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     auto thr_dq = mma_dq.get_thread_slice(tid);
     // The shared-memory operands' wgmma descriptors depend on the warpgroup only. At the 80-row tile they are taken for
     // the warpgroup's first thread, an index ptxas knows warp-uniform, so they stay in uniform registers (no R2UR before
-    // each wgmma): 1-3% faster there; the other tiles measured slower so (docs/tuning.md#sm90-backward).
+    // each wgmma); only that tile measured faster so (docs/tuning.md#sm90-backward).
     const int desc_tid = kBlockM == 80 ? (cutlass::canonical_warp_group_idx() - 1) * kWarpgroupThreads : tid;
     auto desc_sdp = mma_sdp.get_thread_slice(desc_tid);
     auto desc_dkv = mma_dkv.get_thread_slice(desc_tid);
