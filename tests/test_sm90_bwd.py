@@ -259,6 +259,25 @@ def test_hopper_backward_with_strided_inputs_and_given_buffers(d, causal, launch
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("aligned", [True, False], ids=["tma", "registers"])
+def test_d128_full_attention_stores_dk_and_dv_by_tma_where_the_buffers_allow(aligned, launch_overrides, require_kernel):
+    """d128's full-attention tile writes dK and dV through shared memory and a TMA store (sm90/bwd_traits.h:
+    kdKVByTma); given buffers whose stride along a dimension of size 1 is no multiple of 16 bytes, which the checks
+    accept and TMA does not, get them from registers instead. A last key block of 77 rows: the store drops the rest."""
+    require_kernel("bwd", 128, torch.bfloat16)
+    launch_overrides(family="sm90")
+    q, k, v = (randn(1, 333, 4, 128) for _ in range(3))
+    out, lse = fa2.fwd(q, k, v)
+    dout = torch.randn_like(out)
+    strides = (333 * 512 if aligned else 3, 512, 128, 1)
+    dk, dv = (torch.full((333 * 512 + 8,), float("nan"), device=q.device, dtype=q.dtype).as_strided(q.shape, strides)
+              for _ in range(2))
+    dq, dk_out, dv_out = fa2.bwd(dout, q, k, v, out, lse, dk=dk, dv=dv)
+    assert dk_out.data_ptr() == dk.data_ptr() and dv_out.data_ptr() == dv.data_ptr()
+    check_grads((dq, dk, dv), q, k, v, dout, False, f"sm90 bwd d128 dk/dv {'by TMA' if aligned else 'from registers'}")
+
+
+@pytest.mark.gpu
 def test_the_backward_family_that_runs_is_the_one_planned(launch_overrides, require_kernel):
     require_kernel("bwd", 128, torch.bfloat16)
     q, k, v = (randn(2, 300, 4, 128) for _ in range(3))

@@ -138,6 +138,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_dq.get_tma_descriptor());
+    if (Traits::kdKVByTma && p.dkv_tma) {
+      cute::prefetch_tma_descriptor(p.tma_dk.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.tma_dv.get_tma_descriptor());
+    }
     shared.kv_full.init(1);
     shared.kv_empty.init(Traits::kMmaThreads);
     shared.tiles.init(kTileReaders);
@@ -382,10 +386,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     auto thr_sdp = mma_sdp.get_thread_slice(tid);
     auto thr_dkv = mma_dkv.get_thread_slice(tid);
     auto thr_dq = mma_dq.get_thread_slice(tid);
-    // The shared-memory operands' wgmma descriptors depend on the warpgroup only. At the 80-row tile they are taken for
-    // the warpgroup's first thread, an index ptxas knows warp-uniform, so they stay in uniform registers (no R2UR before
-    // each wgmma); only that tile measured faster so (docs/tuning.md#sm90-backward).
-    const int desc_tid = kBlockM == 80 ? (cutlass::canonical_warp_group_idx() - 1) * kWarpgroupThreads : tid;
+    // The shared-memory operands' wgmma descriptors depend on the warpgroup only (config.h: bwd_uniform_descriptors).
+    const int desc_tid =
+        Traits::kUniformDescriptors ? (cutlass::canonical_warp_group_idx() - 1) * kWarpgroupThreads : tid;
     auto desc_sdp = mma_sdp.get_thread_slice(desc_tid);
     auto desc_dkv = mma_dkv.get_thread_slice(desc_tid);
     auto desc_dq = mma_dq.get_thread_slice(desc_tid);
@@ -526,13 +529,48 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
 
       // ------------------------------------------------------------------------------------------ epilogue
       // dK = softmax_scale * sum dS^T Q (reference: dk = scale * ds^T q) and dV, for this walk's slice: rows past
-      // seqlen_k are not written (a packed sequence's rows from its first key). Element pairs, or fp32 pairs where the
-      // host sums a group's walks afterwards.
+      // seqlen_k are not written (a packed sequence's rows from its first key).
+      const int slice = w.head / p.walk_heads;
+      if constexpr (Traits::kdKVByTma) {
+        if (p.dkv_tma) {
+          // Into K's and V's shared memory (stmatrix) once both warpgroups' last GEMMs retired (the other's dQ GEMM
+          // reads all of K), then one TMA store each, which drops the rows past seqlen_k.
+          cutlass::arch::NamedBarrier::sync(Traits::kMmaThreads, kdSBarrier);
+          Tensor sdK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});  // (N, d)
+          Tensor sdV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
+          auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
+          auto thr_r2s = r2s.get_thread_slice(tid);
+          CUTE_UNROLL
+          for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.softmax_scale;
+          Tensor rdK = make_tensor<Element>(tdKrdK.layout());
+          convert(tdKrdK, rdK);
+          copy(r2s, thr_r2s.retile_S(rdK), thr_r2s.partition_D(sdK));
+          Tensor rdV = make_tensor<Element>(tdVrdV.layout());
+          convert(tdVrdV, rdV);
+          copy(r2s, thr_r2s.retile_S(rdV), thr_r2s.partition_D(sdV));
+          cutlass::arch::fence_view_async_shared();  // the generic-proxy writes, before the copy engine reads them
+          cutlass::arch::NamedBarrier::sync(Traits::kMmaThreads, kdSBarrier);
+          if (tid == 0) {
+            auto store = [&](auto const& tma, auto const& s) {
+              Tensor g = local_tile(tma.get_tma_tensor(p.shape_k)(_, _, slice, batch), Shape<N, D>{},
+                                    make_coord(n_block, _0{}));  // (N, d)
+              auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+              copy(tma, ts, tg);
+            };
+            store(p.tma_dk, sdK);
+            store(p.tma_dv, sdV);
+            tma_store_arrive();
+            tma_store_wait<0>();  // no exit while the copy engine reads this CTA's shared memory
+          }
+          __syncwarp();  // converged again after the one-thread branch
+          continue;  // the tile is done
+        }
+      }
+      // From registers: element pairs, or fp32 pairs where the host sums a group's walks afterwards.
       Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<N, D>{}));
       Tensor cKV_rc = make_tensor(cKV.data(), rowcol(cKV.layout()));  // (keys, columns)
       Tensor dk = make_tensor(tdKrdK.data(), rowcol(tdKrdK.layout()));
       Tensor dv = make_tensor(tdVrdV.data(), rowcol(tdVrdV.layout()));
-      const int slice = w.head / p.walk_heads;
       // The sequence's first key read again here, not held across the walk (a register of the d64 loop's).
       const int k_start = seq_rows<kPacks>(p, batch).k_start;
       const int64_t dk_base = batch * p.dk_batch_stride + k_start * p.dk_row_stride + slice * p.dk_head_stride;

@@ -64,6 +64,9 @@ struct BwdTraits {
   static constexpr bool kdQSwapAB = !kWide && kBlockM % 64 != 0;  // dQ^T = K^T dS^T (bwd_dq_op)
   static constexpr bool kPersistent = bwd_persistent({kHeadDim, kBlockM, kBlockN, kStages, false, false});
   static constexpr bool kPacks = bwd_tile_packs({kHeadDim, kBlockM, kBlockN, kStages, false, false});
+  static constexpr bool kdKVByTma = bwd_stores_dkv_by_tma({kHeadDim, kBlockM, kBlockN, kStages, false, false});
+  static constexpr bool kUniformDescriptors =
+      bwd_uniform_descriptors({kHeadDim, kBlockM, kBlockN, kStages, false, false});
   // setmaxnreg's split of the CTA's pool, 168 x 384 at launch, between the producer warpgroup (the loads, the dQ
   // writer) and the MMA warpgroups: 40 / 232 is exact (24 / 240 spilled 44 B in the producer once it also loaded lse
   // and D; 32 / 240 would ask for more than the pool holds). 80 queries: S^T, dP^T, dK and dV are 208 fp32 a thread,
@@ -140,6 +143,12 @@ struct BwdTraits {
   using TmaQ = TmaLoad<decltype(take<0, 2>(SmemLayoutQ{})), Shape<M, D>>;  // also dO's
   using TmaK = TmaLoad<SmemLayoutK, Shape<N, D>>;
   using TmaV = TmaLoad<SmemLayoutV, Shape<N, D>>;
+  // dK from K's shared memory and dV from V's, in their layouts (kdKVByTma).
+  template <class SmemLayout>
+  using TmaStore = decltype(make_tma_copy(SM90_TMA_STORE{},
+                                          make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), ShapeQKV{},
+                                                      StrideQKV{}),
+                                          SmemLayout{}, Shape<N, D>{}, _1{}));
   // lse and D of a query block by a rank-1 TMA over the whole flat (batch, heads, seqlen_q) buffer, so fa2's
   // unpadded statistics need no padded copy. A box must start on 16 bytes (reported for TMA, not documented): it
   // starts at the head's first row rounded down to 4 floats and is 4 floats longer, the block's kBlockM floats inside
@@ -205,6 +214,11 @@ struct BwdKernelParams {
   typename Traits::TmaV tma_v;
   typename Traits::TmaStats tma_lse, tma_d;  // over lse and d_sum, flat
   typename Traits::TmadQ tma_dq;             // reduce-add into dq_accum (the writer's)
+  // dK and dV as (rows, head dim, heads, batch) where the tile stores them by TMA (kdKVByTma) and dkv_tma says their
+  // buffers allow it; otherwise unset, and the MMA threads store them from registers.
+  typename Traits::template TmaStore<typename Traits::SmemLayoutK> tma_dk;
+  typename Traits::template TmaStore<typename Traits::SmemLayoutV> tma_dv;
+  bool dkv_tma;
   // (rows, head dim, heads, batch); shape_k's heads are nheads_k. Packed sequences (varlen): (max_seqlen, head dim,
   // heads, total + 1), addressed through seq_rows.h (tma_rows_view, seq_rows).
   typename Traits::ShapeQKV shape_q, shape_k;
