@@ -260,21 +260,27 @@ def test_hopper_backward_with_strided_inputs_and_given_buffers(d, causal, launch
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("aligned", [True, False], ids=["tma", "registers"])
-def test_d128_full_attention_stores_dk_and_dv_by_tma_where_the_buffers_allow(aligned, launch_overrides, require_kernel):
-    """d128's full-attention tile writes dK and dV through shared memory and a TMA store (sm90/bwd_traits.h:
-    kdKVByTma); given buffers whose stride along a dimension of size 1 is no multiple of 16 bytes, which the checks
-    accept and TMA does not, get them from registers instead. A last key block of 77 rows: the store drops the rest."""
-    require_kernel("bwd", 128, torch.bfloat16)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dk_and_dv_leave_by_tma_where_the_buffers_allow(d, causal, aligned, launch_overrides, require_kernel):
+    """d64's and d128's tiles write dK and dV through K's and V's shared memory and a TMA store (sm90/config.h:
+    bwd_stores_dkv_by_tma; persistent tiles load the next tile's K and V there afterwards); given buffers whose stride
+    along a dimension of size 1 is no multiple of 16 bytes, which the checks accept and TMA does not, get them from
+    registers instead. A last key block of 77 rows: the store drops the rest. 64 heads of 333 rows are 192 tiles, so
+    persistent CTAs take more than one."""
+    require_kernel("bwd", d, torch.bfloat16)
     launch_overrides(family="sm90")
-    q, k, v = (randn(1, 333, 4, 128) for _ in range(3))
-    out, lse = fa2.fwd(q, k, v)
+    q, k, v = (randn(1, 333, 64, d) for _ in range(3))
+    out, lse = fa2.fwd(q, k, v, causal=causal)
     dout = torch.randn_like(out)
-    strides = (333 * 512 if aligned else 3, 512, 128, 1)
-    dk, dv = (torch.full((333 * 512 + 8,), float("nan"), device=q.device, dtype=q.dtype).as_strided(q.shape, strides)
+    row = 64 * d
+    strides = (333 * row if aligned else 3, row, d, 1)
+    dk, dv = (torch.full((333 * row + 8,), float("nan"), device=q.device, dtype=q.dtype).as_strided(q.shape, strides)
               for _ in range(2))
-    dq, dk_out, dv_out = fa2.bwd(dout, q, k, v, out, lse, dk=dk, dv=dv)
+    dq, dk_out, dv_out = fa2.bwd(dout, q, k, v, out, lse, causal=causal, dk=dk, dv=dv)
     assert dk_out.data_ptr() == dk.data_ptr() and dv_out.data_ptr() == dv.data_ptr()
-    check_grads((dq, dk, dv), q, k, v, dout, False, f"sm90 bwd d128 dk/dv {'by TMA' if aligned else 'from registers'}")
+    check_grads((dq, dk, dv), q, k, v, dout, causal,
+                f"sm90 bwd d{d} causal={causal} dk/dv {'by TMA' if aligned else 'from registers'}")
 
 
 @pytest.mark.gpu

@@ -8,8 +8,9 @@
 // memory traffic), and stage each query block's dQ share in shared memory, which warp 1 of warpgroup 0 adds into the
 // fp32 dq_accum by TMA reduce-add; in persistent launches warps 2 and 3 convert each query block's sums to dQ once
 // they are complete (bwd_dq_convert.h). The next tile's first Q and dO land while this one ends, and its K and V once
-// this one's last GEMM that reads them retired. d256 keeps the prologue, the producer and the writer (which takes
-// its dQ per 128-column half); its MMA warpgroups are bwd_mma_wide.h's.
+// this one's dK and dV have left through their memory (config.h: bwd_stores_dkv_by_tma), or its last GEMM that reads
+// them retired. d256 keeps the prologue, the producer and the writer (which takes its dQ per 128-column half); its MMA
+// warpgroups are bwd_mma_wide.h's.
 //                                                                                      docs/tuning.md#sm90-backward
 //
 // Names: g* global tiles, s* shared (s*t: the transposed view of the same bytes), t*r* register fragments partitioned
@@ -517,7 +518,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
         // dK += dS^T Q, dS^T from registers; returns once dQ's GEMM retired.
         Tensor tdKrdS = make_tensor(rdS.data(), as_operand_a(tdPrdP.layout()));
         warpgroup_gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, s), tdKrdK);
-        if (kPersistent && i + 1 == w.steps) shared.kv_empty.arrive();  // its last reads of K and V retired with dQ's GEMM
+        // K and V's last reads retired with dQ's GEMM; where dK and dV leave through their memory, only after that.
+        if (kPersistent && i + 1 == w.steps && !(Traits::kdKVByTma && p.dkv_tma)) shared.kv_empty.arrive();
         warpgroup_fence_operand(tdQrdQ);
         // This key block's share of dQ to the writer warp, while dK's GEMM runs: into the slab once the writer's
         // previous reduce has read it, then made visible to TMA (the async proxy).
@@ -532,9 +534,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       // seqlen_k are not written (a packed sequence's rows from its first key).
       const int slice = w.head / p.walk_heads;
       if constexpr (Traits::kdKVByTma) {
-        if (p.dkv_tma) {
+        // Not a tile without queries (a packed sequence's keys past its queries' reach), whose K and V were not loaded
+        // and whose zeros the registers store: the next tile's K and V may be landing in that memory.
+        if (p.dkv_tma && w.steps > 0) {
           // Into K's and V's shared memory (stmatrix) once both warpgroups' last GEMMs retired (the other's dQ GEMM
-          // reads all of K), then one TMA store each, which drops the rows past seqlen_k.
+          // reads all of K), then one TMA store each, which drops the rows past seqlen_k (a packed sequence's end).
           cutlass::arch::NamedBarrier::sync(Traits::kMmaThreads, kdSBarrier);
           Tensor sdK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});  // (N, d)
           Tensor sdV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
@@ -551,18 +555,24 @@ __global__ void __launch_bounds__(kBwdThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
           cutlass::arch::fence_view_async_shared();  // the generic-proxy writes, before the copy engine reads them
           cutlass::arch::NamedBarrier::sync(Traits::kMmaThreads, kdSBarrier);
           if (tid == 0) {
+            const SeqRows kseq = seq_rows<kPacks>(p, batch);  // read again, not held across the walk
             auto store = [&](auto const& tma, auto const& s) {
-              Tensor g = local_tile(tma.get_tma_tensor(p.shape_k)(_, _, slice, batch), Shape<N, D>{},
-                                    make_coord(n_block, _0{}));  // (N, d)
+              Tensor g = local_tile(domain_offset(make_coord(kseq.k_shift, _0{}),
+                                                  tma.get_tma_tensor(p.shape_k)(_, _, slice, kseq.k_coord)),
+                                    Shape<N, D>{}, make_coord(n_block, _0{}));  // (N, d)
               auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
               copy(tma, ts, tg);
             };
             store(p.tma_dk, sdK);
             store(p.tma_dv, sdV);
             tma_store_arrive();
-            tma_store_wait<0>();  // no exit while the copy engine reads this CTA's shared memory
+            tma_store_wait<0>();  // no exit, and no next tile's K and V, while the copy engine reads them
           }
           __syncwarp();  // converged again after the one-thread branch
+          if constexpr (kPersistent) {
+            cutlass::arch::NamedBarrier::sync(Traits::kMmaThreads, kdSBarrier);  // the store has read K and V
+            shared.kv_empty.arrive();
+          }
           continue;  // the tile is done
         }
       }

@@ -79,15 +79,16 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   k.dk = p.dk, k.dv = p.dv, k.dkv_fp32 = p.dkv_fp32;
   // dK and dV by TMA (config.h: bwd_stores_dkv_by_tma) where their buffers allow it: the input dtype (not the float32 slices
   // the host sums), a 16-byte aligned base and strides (checks.cpp lets any stride through along a dimension of 1).
+  // Viewed as k is (packed: each sequence's rows end at its last key).
   auto tma_ok = [](const void* ptr, const Strides& s) {
     return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && s.batch % 8 == 0 && s.row % 8 == 0 && s.head % 8 == 0;
   };
-  k.dkv_tma = Traits::kdKVByTma && !p.dkv_fp32 && !varlen && tma_ok(p.dk, p.dk_stride) && tma_ok(p.dv, p.dv_stride);
+  k.dkv_tma = Traits::kdKVByTma && !p.dkv_fp32 && tma_ok(p.dk, p.dk_stride) && tma_ok(p.dv, p.dv_stride);
   if (k.dkv_tma) {
     auto out = [](void* ptr) { return static_cast<Element*>(ptr); };
     const int slices = p.nheads / plan.walk_heads;
-    Tensor mdK = tma_rows_view<kHeadDim>(out(p.dk), p.dk_stride, p.seqlen_k, slices, p.batch, p.total_k, false);
-    Tensor mdV = tma_rows_view<kHeadDim>(out(p.dv), p.dv_stride, p.seqlen_k, slices, p.batch, p.total_k, false);
+    Tensor mdK = tma_rows_view<kHeadDim>(out(p.dk), p.dk_stride, p.seqlen_k, slices, p.batch, p.total_k, varlen);
+    Tensor mdV = tma_rows_view<kHeadDim>(out(p.dv), p.dv_stride, p.seqlen_k, slices, p.batch, p.total_k, varlen);
     k.tma_dk = make_tma_copy(SM90_TMA_STORE{}, mdK, typename Traits::SmemLayoutK{}, ND{}, _1{});
     k.tma_dv = make_tma_copy(SM90_TMA_STORE{}, mdV, typename Traits::SmemLayoutV{}, ND{}, _1{});
   }
