@@ -77,9 +77,9 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   k.tma_dq =
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, mdQ, typename Traits::SmemLayoutdQSlab{}, typename Traits::dQSlab{}, _1{});
   k.dk = p.dk, k.dv = p.dv, k.dkv_fp32 = p.dkv_fp32;
-  // dK and dV by TMA (config.h: bwd_stores_dkv_by_tma) where their buffers allow it: the input dtype (not the float32 slices
-  // the host sums), a 16-byte aligned base and strides (checks.cpp lets any stride through along a dimension of 1).
-  // Viewed as k is (packed: each sequence's rows end at its last key).
+  // dK and dV by TMA (config.h: bwd_stores_dkv_by_tma) where their buffers allow it: the input dtype (not the float32
+  // slices the host sums), a 16-byte aligned base and strides (checks.cpp lets any stride through along a dimension of
+  // 1). Viewed as k is (packed: each sequence's rows end at its last key).
   auto tma_ok = [](const void* ptr, const Strides& s) {
     return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && s.batch % 8 == 0 && s.row % 8 == 0 && s.head % 8 == 0;
   };

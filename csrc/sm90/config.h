@@ -76,8 +76,8 @@ constexpr int bwd_do_stages(BwdTileShape t) { return t.head_dim == 256 ? 1 : t.s
 // d256's MMA warpgroups (bwd_mma_wide.h) start their rings afresh: a CTA per tile there.  docs/tuning.md#sm90-backward
 constexpr bool bwd_persistent(BwdTileShape t) { return t.head_dim == 64 || (t.head_dim == 128 && t.block_m == 64); }
 
-// dK and dV leave through shared memory (K's and V's, free once the tile's last GEMM retired; a persistent CTA loads the
-// next tile's there once the store has read them) and a TMA store. d256's warpgroups hold dK^T and dV^T
+// dK and dV leave through shared memory (K's and V's, free once the tile's last GEMM retired; a persistent CTA loads
+// the next tile's there once the store has read them) and a TMA store. d256's warpgroups hold dK^T and dV^T
 // (bwd_mma_wide.h), and store them from registers.
 constexpr bool bwd_stores_dkv_by_tma(BwdTileShape t) { return t.head_dim != 256; }
 
